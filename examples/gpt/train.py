@@ -1,0 +1,258 @@
+"""Train a small character-level GPT on Shakespeare with PyTorch Lightning and the flatshard strategy.
+
+Default run (CPU, 2 processes, about 1-2 minutes on 2 cores)::
+
+    python examples/gpt/train.py
+
+Plain DDP for comparison::
+
+    python examples/gpt/train.py --strategy ddp
+
+At the end every rank prints one line with its final training loss, the bytes of parameter storage
+it holds and its peak RSS; rank 0 also prints a short greedy sample from the trained model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import resource
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+import lightning as L
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # make ``model`` importable from anywhere
+
+from model import GPT, Block, CharTokenizer, GPTConfig, TextDataset, generate, load_corpus
+
+try:  # registers ``Trainer(strategy="flatshard")``
+    import flatshard
+except Exception as err:  # the package may be missing or unfinished: ``--strategy ddp`` still works
+    flatshard = None
+    _FLATSHARD_IMPORT_ERROR: BaseException | None = err
+else:
+    _FLATSHARD_IMPORT_ERROR = None
+
+SAMPLE_PROMPT = "MACBETH\n"
+SAMPLE_TOKENS = 200
+VAL_FRACTION = 0.1
+VAL_SAMPLES = 512
+WARMUP_STEPS = 10
+
+
+class GPTLitModule(L.LightningModule):
+    """Wraps :class:`model.GPT`; the GPT itself is built in :meth:`configure_model`."""
+
+    def __init__(
+        self,
+        vocab: str,
+        block_size: int = 64,
+        n_layer: int = 4,
+        n_head: int = 4,
+        d_model: int = 128,
+        lr: float = 6e-3,
+        weight_decay: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()  # the vocabulary travels in the checkpoint too
+        self.tokenizer = CharTokenizer(vocab)
+        self.config = GPTConfig(
+            vocab_size=self.tokenizer.vocab_size,
+            block_size=block_size,
+            n_layer=n_layer,
+            n_head=n_head,
+            d_model=d_model,
+        )
+        self.model: GPT | None = None
+        self.sample_ids: list[int] | None = None  # filled on every rank by ``on_train_end``
+        self.last_train_loss: float = math.nan
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        self.model = GPT(self.config)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        assert self.model is not None, "configure_model() has not run"
+        return self.model(idx)
+
+    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        x, y = batch
+        logits = self(x)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.last_train_loss = loss.item()
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        # Two parameter groups chosen by parameter NAME: no weight decay for biases, LayerNorms and
+        # the embeddings (the tied LM head is the token embedding, so it is listed once, as wte).
+        decay, no_decay = [], []
+        for name, param in self.named_parameters():
+            if not param.requires_grad:
+                continue
+            (no_decay if _no_weight_decay(name) else decay).append(param)
+        groups = [
+            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]], lr=self.hparams.lr, betas=(0.9, 0.95)
+        )
+        # linear warm-up over the first WARMUP_STEPS steps, then a constant learning rate
+        warmup = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (step + 1) / WARMUP_STEPS)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+    def on_train_end(self) -> None:
+        # Runs on every rank before the strategy tears down: with a sharded strategy the forward hooks
+        # gather parameters collectively, so all ranks must run the same forwards.
+        was_training = self.training
+        self.eval()
+        prompt = self.tokenizer.encode_tensor(SAMPLE_PROMPT)[None].to(self.device)
+        self.sample_ids = generate(self, prompt, SAMPLE_TOKENS, self.config.block_size)[0].tolist()
+        self.train(was_training)
+        self.report()
+
+    def param_storage_bytes(self) -> int:
+        """Bytes of the distinct storages behind this rank's parameters (shared storage counted once)."""
+        seen: dict[int, int] = {}
+        for p in self.parameters():
+            storage = p.untyped_storage()
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        return sum(seen.values())
+
+    def report(self) -> None:
+        """Each rank prints one line, in rank order; rank 0 prints the generated sample first."""
+        rank, world = self.global_rank, self.trainer.world_size
+        val = self.trainer.callback_metrics.get("val_loss")
+        val_loss = float(val) if val is not None else math.nan
+        peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+        param_bytes = self.param_storage_bytes()
+        line = (
+            f"[rank {rank}/{world}] train_loss={self.last_train_loss:.4f} val_loss={val_loss:.4f} "
+            f"param_bytes={param_bytes} param_mib={param_bytes / 2**20:.2f} peak_rss_mib={peak_rss_mib:.1f}"
+        )
+        for r in range(world):
+            if r == rank:
+                if rank == 0 and self.sample_ids is not None:
+                    print(f"--- greedy sample ({SAMPLE_TOKENS} chars) ---", flush=True)
+                    print(self.tokenizer.decode(self.sample_ids), flush=True)
+                    print("--- end of sample ---", flush=True)
+                print(line, flush=True)
+            if world > 1:
+                self.trainer.strategy.barrier("gpt_example_report")
+
+
+def _no_weight_decay(name: str) -> bool:
+    """Biases, LayerNorm weights and the embeddings (incl. the tied head) get no weight decay."""
+    parts = name.lower().split(".")
+    return (
+        "bias" in name
+        or any(p.startswith("ln") or "norm" in p for p in parts)
+        or any(p in ("wte", "wpe") for p in parts)
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Train a small character-level GPT on Shakespeare (CPU, multi-process).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--strategy", default="flatshard", help="Lightning strategy name, e.g. flatshard or ddp")
+    p.add_argument("--devices", type=int, default=2, help="number of CPU processes")
+    p.add_argument("--max-steps", type=int, default=150, help="optimizer steps to train for (in total)")
+    p.add_argument("--batch-size", type=int, default=32, help="sequences per process per step")
+    p.add_argument("--d-model", type=int, default=128, help="embedding width")
+    p.add_argument("--n-layer", type=int, default=4, help="number of transformer blocks")
+    p.add_argument("--n-head", type=int, default=4, help="attention heads per block")
+    p.add_argument("--block-size", type=int, default=64, help="context length in characters")
+    p.add_argument("--lr", type=float, default=6e-3, help="peak AdamW learning rate (after warm-up)")
+    p.add_argument("--seed", type=int, default=1234, help="seed for init, data order and dropout")
+    p.add_argument(
+        "--ckpt-out", default=None, help="save a checkpoint here at the end (trainer.save_checkpoint)"
+    )
+    p.add_argument("--resume", default=None, help="checkpoint to resume from (fit's ckpt_path)")
+    p.add_argument(
+        "--wrap",
+        choices=["block", "none"],
+        default="block",
+        help="flatshard only: 'block' shards each transformer Block as its own unit "
+        "(FlatShardStrategy(auto_wrap_policy={Block})), 'none' uses the plain strategy name",
+    )
+    return p.parse_args(argv)
+
+
+def make_strategy(args: argparse.Namespace) -> Any:
+    if not args.strategy.startswith("flatshard"):
+        return args.strategy
+    if flatshard is None:
+        raise ImportError(
+            f"--strategy {args.strategy} needs the flatshard package"
+        ) from _FLATSHARD_IMPORT_ERROR
+    if args.strategy == "flatshard" and args.wrap == "block":
+        return flatshard.FlatShardStrategy(auto_wrap_policy={Block})
+    return args.strategy
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
+    L.seed_everything(args.seed, verbose=False)
+
+    text = load_corpus()
+    tokenizer = CharTokenizer(text)
+    data = tokenizer.encode_tensor(text)
+    n_val = int(len(data) * VAL_FRACTION)
+    train_set = TextDataset(data[:-n_val], args.block_size)
+    val_set = TextDataset(data[-n_val:], args.block_size, max_samples=VAL_SAMPLES)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True)
+    val_loader = DataLoader(val_set, batch_size=args.batch_size, shuffle=False)
+
+    module = GPTLitModule(
+        vocab="".join(tokenizer.chars),
+        block_size=args.block_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        d_model=args.d_model,
+        lr=args.lr,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=make_strategy(args),
+        max_steps=args.max_steps,
+        # validate once, after the last step (counted across epochs and resumes)
+        val_check_interval=args.max_steps,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        log_every_n_steps=10,
+    )
+    trainer.fit(module, train_loader, val_loader, ckpt_path=args.resume)
+    if args.ckpt_out:
+        trainer.save_checkpoint(args.ckpt_out)  # collective: every rank calls it
+        if trainer.is_global_zero:
+            print(f"saved checkpoint to {args.ckpt_out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

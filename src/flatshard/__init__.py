@@ -1,0 +1,29 @@
+"""flatshard: a sharded-training strategy for PyTorch Lightning with an engine of its own.
+
+``import flatshard`` registers the strategy names (``"flatshard"``, ``"flatshard_grad_op"``,
+``"flatshard_hybrid"``, ``"flatshard_offload"``) with Lightning's Trainer and Fabric.
+"""
+
+from flatshard.engine import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, is_sharded, shard
+from flatshard.engine.api import get_state_dict, set_state_dict
+from flatshard.engine.clip import clip_grad_norm_
+from flatshard.lightning import FlatShardFabricStrategy, FlatShardStrategy, register
+
+__version__ = "0.1.0"
+
+register()
+
+__all__ = [
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FlatShardFabricStrategy",
+    "FlatShardStrategy",
+    "MixedPrecision",
+    "ShardingStrategy",
+    "__version__",
+    "clip_grad_norm_",
+    "get_state_dict",
+    "is_sharded",
+    "set_state_dict",
+    "shard",
+]

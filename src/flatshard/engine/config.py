@@ -1,0 +1,130 @@
+"""Configuration enums and frozen dataclasses for the sharding engine.
+
+Every user-facing option is normalised here once (strings to enums, bad values to a ``ValueError`` that
+lists the accepted values), so the rest of the engine only ever sees typed values.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "BackwardPrefetch",
+    "CPUOffload",
+    "MixedPrecision",
+    "ShardingStrategy",
+    "normalize_backward_prefetch",
+    "normalize_sharding_strategy",
+]
+
+
+class ShardingStrategy(enum.Enum):
+    """What is sharded, and when parameters are resharded.
+
+    - ``FULL_SHARD``: parameters, gradients and optimizer state are sharded; parameters are gathered for
+      a unit's forward, freed after it, gathered again for its backward (ZeRO-3).
+    - ``SHARD_GRAD_OP``: gradients and optimizer state are sharded; gathered parameters stay from a unit's
+      forward until the end of its backward (ZeRO-2).
+    - ``NO_SHARD``: nothing is sharded; gradients are all-reduced (like DDP).
+    - ``HYBRID_SHARD`` / ``HYBRID_SHARD_ZERO2``: FULL_SHARD / SHARD_GRAD_OP inside a shard group, data
+      parallel across groups.
+    """
+
+    FULL_SHARD = "FULL_SHARD"
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
+    NO_SHARD = "NO_SHARD"
+    HYBRID_SHARD = "HYBRID_SHARD"
+    HYBRID_SHARD_ZERO2 = "HYBRID_SHARD_ZERO2"
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Whether a (non-root) unit frees its gathered parameters right after its forward."""
+        return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
+
+
+class BackwardPrefetch(enum.Enum):
+    """When the next unit's all-gather is issued during backward."""
+
+    BACKWARD_PRE = "BACKWARD_PRE"
+    BACKWARD_POST = "BACKWARD_POST"
+
+
+def _normalize_enum(value: object, enum_cls: type[enum.Enum], arg: str) -> enum.Enum:
+    if isinstance(value, enum_cls):
+        return value
+    if isinstance(value, str):
+        key = value.strip().upper()
+        if key in enum_cls.__members__:
+            return enum_cls[key]
+        choices = ", ".join(repr(m) for m in enum_cls.__members__)
+        raise ValueError(f"Unknown {arg}={value!r}. HINT: use one of {choices} (case-insensitive).")
+    # Accept the same-named enum from torch.distributed.fsdp (migration from strategy="fsdp").
+    name = getattr(value, "name", None)
+    if isinstance(name, str) and name in enum_cls.__members__:
+        return enum_cls[name]
+    raise TypeError(
+        f"{arg} must be a {enum_cls.__name__} or its name as a string, got {type(value).__name__}: {value!r}."
+    )
+
+
+def normalize_sharding_strategy(value: ShardingStrategy | str) -> ShardingStrategy:
+    """``"full_shard"`` / ``ShardingStrategy.FULL_SHARD`` / torch's enum of the same name -> our enum."""
+    result = _normalize_enum(value, ShardingStrategy, "sharding_strategy")
+    assert isinstance(result, ShardingStrategy)
+    return result
+
+
+def normalize_backward_prefetch(value: BackwardPrefetch | str | None) -> BackwardPrefetch | None:
+    if value is None:
+        return None
+    result = _normalize_enum(value, BackwardPrefetch, "backward_prefetch")
+    assert isinstance(result, BackwardPrefetch)
+    return result
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Compute / communication dtypes. ``None`` means "the parameter's own dtype".
+
+    Args:
+        param_dtype: dtype of the gathered parameters used for compute. Default: ``None``.
+        reduce_dtype: dtype gradients are reduced in; defaults to ``param_dtype`` when that is set.
+        buffer_dtype: dtype buffers are cast to for compute. Default: ``None``.
+        keep_low_precision_grads: keep gradients in ``param_dtype`` after reduction. Default: ``False``.
+        cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``. Default: ``True``.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    keep_low_precision_grads: bool = False
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        bad = [
+            f"{name}={getattr(self, name)!r}"
+            for name in ("param_dtype", "reduce_dtype", "buffer_dtype")
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), torch.dtype)
+        ]
+        if bad:
+            raise TypeError(
+                f"MixedPrecision got non-dtype values: {', '.join(bad)}. HINT: pass e.g. torch.bfloat16."
+            )
+
+
+@dataclass(frozen=True)
+class CPUOffload:
+    """Keep sharded parameters and gradients on CPU; the optimizer steps there.
+
+    Args:
+        offload_params: whether to offload. Default: ``False``.
+    """
+
+    offload_params: bool = False

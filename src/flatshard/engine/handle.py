@@ -1,0 +1,244 @@
+"""FlatParamHandle: one unit's flat parameter, its storage states, gradient shard and parameter views.
+
+[Note: original parameters as views]
+The unit keeps the user's own ``nn.Parameter`` objects (so optimizers built before or after
+``shard()`` and per-name param groups keep working). Their ``.data`` is swapped, never the objects:
+
+- SHARDED: each parameter's data is its piece of the local shard, a view into ``_sharded``. With a
+  shard group of one rank (NO_SHARD, or a single process) the piece is the whole parameter and keeps
+  its shape; otherwise it is 1-D, possibly empty, the same rule on every rank so param groups agree.
+  Gradients are views into the local gradient shard, laid out the same way.
+- UNSHARDED (inside a unit's forward and backward): the module attributes are replaced by plain tensor
+  views of ``_flat``, the gathered flat parameter, an autograd leaf. Gradients of all the unit's
+  parameters accumulate into ``_flat.grad`` in one flat buffer, ready to reduce-scatter without a copy.
+
+[Note: freeing gathered storage]
+``_flat`` is allocated once and only its storage is resized: to zero when resharded, back to full when
+gathered. Autograd saves views of ``_flat`` in forward; FULL_SHARD frees the storage after forward and
+gathers into the same storage again before backward, so the saved views see the right values.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from flatshard.engine import comm
+from flatshard.engine.flat_param import FlatLayout, ShardInfo, flatten_tensors, split_flat
+from flatshard.engine.wrap import Alias
+
+__all__ = ["FlatParamHandle", "HandleState", "handle_of_param"]
+
+_PARAM_TO_HANDLE = WeakIdKeyDictionary()  # Parameter -> FlatParamHandle, keyed by identity
+
+
+def handle_of_param(param: torch.Tensor) -> FlatParamHandle | None:
+    """The handle managing ``param``, or ``None`` for a parameter flatshard does not manage."""
+    return _PARAM_TO_HANDLE.get(param)  # type: ignore[no-any-return]
+
+
+class HandleState(enum.Enum):
+    SHARDED = "sharded"  # only the local shard exists; modules hold the original Parameters
+    UNSHARDED = "unsharded"  # the flat parameter is gathered; modules hold views into it
+
+
+def _alloc_storage(t: torch.Tensor) -> None:
+    nbytes = t.numel() * t.element_size()
+    storage = t.untyped_storage()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
+
+
+def _free_storage(t: torch.Tensor) -> None:
+    storage = t.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+class FlatParamHandle:
+    """One unit's parameters, flattened and sharded over ``shard_group`` (see the module notes).
+
+    Args:
+        params: the unit's parameters in flattening order (all one dtype).
+        aliases: for each parameter, every ``(module, attribute)`` that holds it.
+        names: a readable name per parameter, for error messages.
+        shard_group: the ranks the flat parameter is sharded over (``None``: not distributed).
+        replicate_group: ranks holding the same shard, whose gradients are all-reduced (or ``None``).
+        device: where the shard lives and compute happens.
+        sync_group: if given, the flat parameter is broadcast from this group's rank 0 before sharding.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        aliases: Sequence[Sequence[Alias]],
+        names: Sequence[str],
+        shard_group: Any | None,
+        replicate_group: Any | None,
+        device: torch.device,
+        sync_group: Any | None = None,
+    ) -> None:
+        if not params:
+            raise ValueError("FlatParamHandle needs at least one parameter.")
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            listing = ", ".join(f"{n}: {p.dtype}" for n, p in zip(names, params, strict=False))
+            raise ValueError(
+                f"A unit's parameters must share one dtype to be flattened, found {listing}. HINT: wrap the "
+                "modules of each dtype in their own unit (auto_wrap_policy) or cast the model first."
+            )
+        self.params: list[nn.Parameter] = list(params)
+        self.aliases: list[list[Alias]] = [list(a) for a in aliases]
+        self.names: list[str] = list(names)
+        self.shard_group = shard_group
+        self.replicate_group = replicate_group
+        self.device = device
+        self.dtype: torch.dtype = next(iter(dtypes))
+        distributed = shard_group is not None and dist.is_available() and dist.is_initialized()
+        self.shard_world = dist.get_world_size(shard_group) if distributed else 1
+        self.shard_rank = dist.get_rank(shard_group) if distributed else 0
+        self.replicate_world = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        self.layout = FlatLayout(tuple(p.shape for p in params), self.shard_world)
+        self.shard_infos: tuple[ShardInfo, ...] = self.layout.shard_infos(self.shard_rank)
+        self.requires_grad: list[bool] = [p.requires_grad for p in params]
+        self.any_requires_grad = any(self.requires_grad)
+        self.all_require_grad = all(self.requires_grad)
+        self.state = HandleState.SHARDED
+
+        full = flatten_tensors([p.detach().to(device) for p in params], self.layout)
+        if sync_group is not None:
+            dist.broadcast(full, src=dist.get_global_rank(sync_group, 0), group=sync_group)
+        if self.shard_world == 1:
+            self._sharded: torch.Tensor = full  # 1-D, padded_numel == total_numel
+        else:
+            lo, hi = self.layout.shard_range(self.shard_rank)
+            self._sharded = full[lo:hi].clone()  # 1-D, shard_numel
+            del full
+        # Collectives write into _gather; _flat, the autograd leaf, shares its storage through ``.data``
+        # but keeps a version counter of its own, so gathering again for backward does not invalidate
+        # the views autograd saved in forward. See [Note: freeing gathered storage].
+        if self.shard_world == 1:
+            self._gather: torch.Tensor = self._sharded  # one-rank group: the shard is the whole flat param
+        else:
+            self._gather = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=device)
+            _free_storage(self._gather)
+        self._flat: torch.Tensor = torch.empty(0, dtype=self.dtype, device=device)
+        self._flat.data = self._gather
+        self._flat.requires_grad_(self.any_requires_grad)
+        self._sharded_grad: torch.Tensor | None = None  # 1-D, like _sharded
+        for p in self.params:
+            _PARAM_TO_HANDLE[p] = self
+        self.use_sharded_views()
+
+    # ------------------------------------------------------------------ views
+    def _shard_piece(self, source: torch.Tensor, i: int) -> torch.Tensor:
+        info = self.shard_infos[i]
+        piece = source[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
+        return piece.view(self.layout.shapes[i]) if self.shard_world == 1 else piece
+
+    def use_sharded_views(self) -> None:
+        """Point every original Parameter at its piece of the local shard and put it back on its modules."""
+        for i, p in enumerate(self.params):
+            p.data = self._shard_piece(self._sharded, i)
+            for module, name in self.aliases[i]:
+                module._parameters[name] = p
+
+    def use_unsharded_views(self) -> None:
+        """Put views of the gathered flat parameter on the modules (tracked by autograd if grad is on)."""
+        tracked = split_flat(self._flat, self.layout)
+        untracked = split_flat(self._flat.detach(), self.layout) if not self.all_require_grad else tracked
+        for i in range(len(self.params)):
+            view = tracked[i] if self.requires_grad[i] else untracked[i]
+            for module, name in self.aliases[i]:
+                module._parameters[name] = view  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ gather / free
+    def unshard(self, async_op: bool = False) -> comm.Pending | None:
+        """Gather the flat parameter; returns the pending all-gather (``None`` if nothing to wait for)."""
+        if self.state is HandleState.UNSHARDED:
+            return None
+        self.state = HandleState.UNSHARDED
+        if self.shard_world == 1:
+            return None
+        _alloc_storage(self._gather)
+        return comm.all_gather_flat(self._gather, self._sharded, self.shard_group, async_op=async_op)
+
+    def reshard(self) -> None:
+        """Free the gathered flat parameter and restore the original Parameters on the modules."""
+        if self.state is HandleState.SHARDED:
+            return
+        self.use_sharded_views()
+        if self.shard_world > 1:
+            _free_storage(self._gather)
+        self.state = HandleState.SHARDED
+
+    # ------------------------------------------------------------------ gradients
+    def take_flat_grad(self) -> torch.Tensor | None:
+        grad = self._flat.grad
+        self._flat.grad = None
+        return grad
+
+    def reduce_grad(self, flat_grad: torch.Tensor) -> comm.Pending:
+        """Start reducing an unsharded flat gradient to this rank's gradient shard (a SUM; see finish_grad)."""
+        if self.shard_world == 1:
+            if self.replicate_world > 1:
+                return comm.all_reduce_flat(flat_grad, self.replicate_group)
+            return comm.Pending(flat_grad, None)
+        out = torch.empty_like(self._sharded)
+        return comm.reduce_scatter_flat(out, flat_grad, self.shard_group)
+
+    def finish_grad(self, pending: comm.Pending) -> None:
+        """Wait for a reduction, average it and accumulate it into the parameters' gradients."""
+        grad = pending.wait()
+        if self.shard_world > 1 and self.replicate_world > 1:
+            comm.all_reduce_flat(grad, self.replicate_group, async_op=False)
+        world = self.shard_world * self.replicate_world
+        if world > 1:
+            grad.div_(world)
+        self._accumulate(grad)
+
+    def _accumulate(self, grad: torch.Tensor) -> None:
+        trainable = [i for i, r in enumerate(self.requires_grad) if r]
+        current = self._sharded_grad
+        if current is None or all(self.params[i].grad is None for i in trainable):
+            self._sharded_grad = grad
+        else:
+            for i in trainable:
+                p, mine = self.params[i], self._shard_piece(current, i)
+                if p.grad is None:
+                    mine.zero_()
+                elif p.grad.data_ptr() != mine.data_ptr() or p.grad.shape != mine.shape:
+                    mine.copy_(p.grad)  # the user replaced the gradient tensor: keep its values
+            current.add_(grad)
+        assert self._sharded_grad is not None
+        for i in trainable:
+            p = self.params[i]
+            view = self._shard_piece(self._sharded_grad, i)
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
+                p.grad = view
+
+    # ------------------------------------------------------------------ inspection
+    @property
+    def sharded(self) -> torch.Tensor:
+        """The local shard (1-D, padded at the end on the last rank(s))."""
+        return self._sharded
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """The gathered flat parameter (storage is empty while SHARDED on a multi-rank group)."""
+        return self._flat
+
+    def local_param_numel(self) -> int:
+        return self._sharded.numel()
+
+    def __repr__(self) -> str:
+        return (
+            f"FlatParamHandle(params={len(self.params)}, numel={self.layout.total_numel}, "
+            f"shard={self.layout.shard_numel}x{self.shard_world}, state={self.state.value})"
+        )

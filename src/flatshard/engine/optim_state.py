@@ -1,0 +1,183 @@
+"""Full optimizer state: exactly what the plain, unsharded optimizer's ``state_dict()`` would be.
+
+[Note: optimizer state consolidation]
+An elementwise optimizer's per-parameter tensors (``exp_avg``, ``momentum_buffer``...) have the shape of
+the local parameter piece, so a unit's state for one key is laid out exactly like its flat parameter.
+Gathering is therefore one ``all_gather`` per (unit, key) into a flat buffer that is split into full-shape
+tensors, never one broadcast per rank. Everything that is not such a tensor (``step``, hyper-parameters,
+which keys exist and their dtypes) travels in a single object collective per optimizer.
+Indices follow ``param_groups`` order, as ``torch.optim.Optimizer.state_dict()`` numbers them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from flatshard.engine import comm
+from flatshard.engine.flat_param import split_flat
+from flatshard.engine.handle import FlatParamHandle, handle_of_param
+from flatshard.engine.state_dict import global_rank, prepare_for_state_io
+
+__all__ = ["full_optim_state_dict", "load_full_optim_state_dict"]
+
+
+def _ordered_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _is_sharded_state(handle: FlatParamHandle | None, value: Any) -> bool:
+    return (
+        handle is not None and handle.shard_world > 1 and isinstance(value, torch.Tensor) and value.dim() > 0
+    )
+
+
+def _locate(params: list[torch.Tensor]) -> list[tuple[FlatParamHandle | None, int]]:
+    out: list[tuple[FlatParamHandle | None, int]] = []
+    for p in params:
+        handle = handle_of_param(p)
+        out.append((handle, -1 if handle is None else next(i for i, q in enumerate(handle.params) if q is p)))
+    return out
+
+
+def full_optim_state_dict(
+    module: nn.Module, optimizer: torch.optim.Optimizer, *, rank0_only: bool = True, cpu_offload: bool = True
+) -> dict[str, Any]:
+    """Gather the full optimizer state (see [Note: optimizer state consolidation]). Run on all ranks."""
+    prepare_for_state_io(module, "get_state_dict")
+    params = _ordered_params(optimizer)
+    located = _locate(params)
+    local = optimizer.state_dict()
+    # Metadata of sharded tensors: (idx, key) -> dtype, union over ranks (one object collective).
+    meta: dict[tuple[int, str], torch.dtype] = {}
+    for idx, (handle, _) in enumerate(located):
+        for key, value in local["state"].get(idx, {}).items():
+            if _is_sharded_state(handle, value):
+                if value.shape != params[idx].shape:
+                    raise ValueError(
+                        f"Optimizer {type(optimizer).__name__} keeps state {key!r} of shape {tuple(value.shape)} "
+                        f"for a parameter piece of shape {tuple(params[idx].shape)}; only elementwise optimizer "
+                        "state can be consolidated. HINT: use an elementwise optimizer (Adam, AdamW, SGD...)."
+                    )
+                meta[(idx, key)] = value.dtype
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, meta)
+        for other in everyone:
+            meta.update(other)
+    keep = global_rank() == 0 or not rank0_only
+    state: dict[int, dict[str, Any]] = {}
+    if keep:
+        for idx, entries in local["state"].items():
+            handle = located[idx][0]
+            state[idx] = {
+                k: (v.detach().to("cpu", copy=True) if cpu_offload else v.detach().clone())
+                if isinstance(v, torch.Tensor) and not _is_sharded_state(handle, v)
+                else v
+                for k, v in entries.items()
+                if not _is_sharded_state(handle, v)
+            }
+    # Sharded tensors: one all_gather per (unit, key), in a fixed order on every rank.
+    by_unit: dict[int, tuple[FlatParamHandle, dict[str, list[int]]]] = {}
+    for idx, key in sorted(meta, key=lambda t: (t[0], t[1])):
+        handle = located[idx][0]
+        assert handle is not None
+        by_unit.setdefault(id(handle), (handle, {}))[1].setdefault(key, []).append(idx)
+    for handle, keys in sorted(by_unit.values(), key=lambda hk: _unit_order(module, hk[0])):
+        for key in sorted(keys):
+            idxs = keys[key]
+            dtype = meta[(idxs[0], key)]
+            shard = torch.zeros(handle.layout.shard_numel, dtype=dtype, device=handle.sharded.device)
+            for idx in idxs:
+                info = handle.shard_infos[located[idx][1]]
+                value = local["state"].get(idx, {}).get(key)
+                if value is not None and info.numel_in_shard:
+                    shard[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard].copy_(
+                        value.reshape(-1)
+                    )
+            full = torch.empty(handle.layout.padded_numel, dtype=dtype, device=shard.device)
+            comm.all_gather_flat(full, shard, handle.shard_group, async_op=False)
+            if keep:
+                views = split_flat(full, handle.layout)
+                for idx in idxs:
+                    state.setdefault(idx, {})[key] = _copy(views[located[idx][1]], cpu_offload)
+            del full, shard
+    if not keep:
+        return {}
+    return {"state": dict(sorted(state.items())), "param_groups": local["param_groups"]}
+
+
+def _copy(t: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
+    return t.to("cpu", copy=True) if cpu_offload else t.clone()
+
+
+def _unit_order(module: nn.Module, handle: FlatParamHandle) -> int:
+    for i, m in enumerate(module.modules()):
+        state = m.__dict__.get("_flatshard_state")
+        if state is not None and state.handle is handle:
+            return i
+    return -1
+
+
+def load_full_optim_state_dict(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state_dict: Mapping[str, Any],
+    source: str = "optimizer state",
+) -> None:
+    """Load a full (plain-format) optimizer state: each rank keeps its slices. Validates first."""
+    prepare_for_state_io(module, "set_state_dict")
+    if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise ValueError(f"{source} is not an optimizer state dict (needs 'state' and 'param_groups').")
+    params = _ordered_params(optimizer)
+    located = _locate(params)
+    saved_groups = state_dict["param_groups"]
+    sizes_saved = [len(g["params"]) for g in saved_groups]
+    sizes_now = [len(g["params"]) for g in optimizer.param_groups]
+    if sizes_saved != sizes_now:
+        raise ValueError(
+            f"{source} has param groups of sizes {sizes_saved}, the optimizer {sizes_now}. HINT: build the "
+            "optimizer with the same parameter groups as when the checkpoint was saved. Nothing was loaded."
+        )
+    saved_ids = [i for g in saved_groups for i in g["params"]]
+    local_state: dict[int, dict[str, Any]] = {}
+    for pos, saved_id in enumerate(saved_ids):
+        entries = state_dict["state"].get(saved_id)
+        if entries is None:
+            continue
+        handle, i = located[pos]
+        full_shape = handle.layout.shapes[i] if handle is not None else params[pos].shape
+        converted: dict[str, Any] = {}
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                if value.shape != full_shape:
+                    raise ValueError(
+                        f"{source}: state {key!r} of parameter #{pos} has shape {tuple(value.shape)}, the parameter "
+                        f"has {tuple(full_shape)}. HINT: the checkpoint belongs to another model. Nothing was loaded."
+                    )
+                if _is_sharded_state(handle, value):
+                    assert handle is not None
+                    info = handle.shard_infos[i]
+                    value = value.reshape(-1)[
+                        info.offset_in_param : info.offset_in_param + info.numel_in_shard
+                    ]
+                    value = value.clone()
+            converted[key] = value
+        local_state[pos] = converted
+    groups = [
+        dict(g, params=list(range(start, start + len(g["params"]))))
+        for g, start in zip(saved_groups, _starts(sizes_saved), strict=False)
+    ]
+    optimizer.load_state_dict({"state": local_state, "param_groups": groups})
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    out, acc = [], 0
+    for n in sizes:
+        out.append(acc)
+        acc += n
+    return out

@@ -1,0 +1,203 @@
+"""Forward / backward hooks, root lazy init, and the end-of-backward callback.
+
+[Note: unit lifecycle in one iteration]
+1. Pre-forward of a unit: the root (the first unit whose forward runs) lazily collects every unit
+   below it once. The unit gathers its flat parameter and puts unsharded views on its modules.
+2. Post-forward: hooks are put on the outputs that require grad (they mark the start of the unit's
+   backward). Non-root units reshard now under FULL_SHARD; under SHARD_GRAD_OP they stay gathered until
+   their backward ends. The root stays gathered when a backward will follow (its parameters are needed
+   first thing), and reshards at once under ``no_grad`` / ``inference_mode``.
+3. Pre-backward (a hook on the unit's outputs fired): gather again if the unit was resharded; the first
+   one of a backward pass queues the end-of-backward callback.
+4. Post-backward (``_flat``'s gradient is fully accumulated): start the reduce-scatter asynchronously and
+   reshard. Units holding frozen parameters reshard at the end of backward instead, since frozen views
+   are not part of ``_flat``'s gradient and may still be used to compute input gradients.
+5. End of backward: wait for every reduction, accumulate into the gradient shards, reshard whatever is
+   still gathered, reset per-iteration state.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import deque
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
+
+from flatshard.engine import comm
+from flatshard.engine.config import ShardingStrategy
+from flatshard.engine.handle import FlatParamHandle, HandleState
+
+__all__ = ["RootContext", "TrainingState", "UnitState", "get_unit_state"]
+
+log = logging.getLogger(__name__)
+
+STATE_ATTR = "_flatshard_state"
+
+# Reductions allowed in flight before the oldest is finished (bounds gradient buffers alive at once).
+_MAX_PENDING_REDUCTIONS = 2
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"  # between iterations, or after the end-of-backward callback
+    FORWARD = "forward"  # inside the unit's forward (hooks entered, not yet left)
+    BACKWARD = "backward"  # the unit's pre-backward hook fired in the current backward pass
+
+
+class RootContext:
+    """Per-root data, created once on the root's first forward (lazy init) and cached."""
+
+    def __init__(self, root: UnitState, states: list[UnitState]) -> None:
+        self.root = root
+        self.states = states  # every unit under the root, root first, in .modules() order
+        self.handles = [s.handle for s in states if s.handle is not None]
+        self.pending: deque[tuple[FlatParamHandle, comm.Pending, torch.Tensor]] = deque()
+        self.callback_queued = False
+
+    def finish_oldest_reduction(self) -> None:
+        handle, pending, _keepalive = self.pending.popleft()
+        handle.finish_grad(pending)
+
+    def end_of_backward(self) -> None:
+        """Autograd's final callback: see step 5 of [Note: unit lifecycle in one iteration]."""
+        while self.pending:
+            self.finish_oldest_reduction()
+        for state in self.states:
+            if state.handle is not None:
+                leftover = state.handle.take_flat_grad()
+                if leftover is not None:  # gradient arrived without the post-backward hook (defensive)
+                    state.handle.finish_grad(state.handle.reduce_grad(leftover))
+                state.handle.reshard()
+            state.training_state = TrainingState.IDLE
+        self.callback_queued = False
+
+
+class UnitState:
+    """State of one unit (a module passed to or chosen by ``shard()``), stored on the module."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        handle: FlatParamHandle | None,
+        strategy: ShardingStrategy,
+        config: dict[str, Any],
+    ) -> None:
+        self.module = module
+        self.handle = handle
+        self.strategy = strategy
+        self.config = config  # the normalised shard() arguments, for nested units and the strategy
+        self.training_state = TrainingState.IDLE
+        self.forward_depth = 0
+        self.ctx: RootContext | None = None
+        self._hook_handles: list[Any] = []
+        self._register_hooks()
+
+    @property
+    def is_root(self) -> bool:
+        return self.ctx is not None and self.ctx.root is self
+
+    def _register_hooks(self) -> None:
+        m = self.module
+        self._hook_handles.append(
+            m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        )
+        self._hook_handles.append(m.register_forward_hook(self._post_forward, always_call=True))
+        handle = self.handle
+        if handle is not None and handle.any_requires_grad:
+            self._hook_handles.append(handle.flat.register_post_accumulate_grad_hook(self._post_backward))
+
+    # ------------------------------------------------------------------ lazy init
+    def _lazy_init(self) -> None:
+        states = [get_unit_state(m) for m in self.module.modules()]
+        ordered = [s for s in states if s is not None]
+        ctx = RootContext(self, ordered)
+        for s in ordered:
+            s.ctx = ctx
+
+    # ------------------------------------------------------------------ forward
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        if self.forward_depth == 0:
+            ctx = self.ctx
+            if ctx is None or (
+                ctx.root is not self and ctx.root.forward_depth == 0 and not ctx.callback_queued
+            ):
+                # First forward, or a unit called on its own, outside its root's forward: it is a root now.
+                self._lazy_init()
+            elif ctx.root is self:
+                for s in ctx.states:  # take back units that ran on their own in between (cheap)
+                    s.ctx = ctx
+        self.forward_depth += 1
+        if self.forward_depth > 1:
+            return args, kwargs
+        self.training_state = TrainingState.FORWARD
+        if self.handle is not None:
+            pending = self.handle.unshard()
+            if pending is not None:
+                pending.wait()
+            self.handle.use_unsharded_views()
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        self.forward_depth -= 1
+        if self.forward_depth > 0:
+            return output
+        self.training_state = TrainingState.IDLE
+        grad_outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if torch.is_grad_enabled() and grad_outputs:
+            for t in grad_outputs:
+                t.register_hook(self._pre_backward)
+            keep = self.is_root or not self.strategy.reshard_after_forward
+        else:
+            keep = False
+        if self.handle is not None and not keep:
+            self.handle.reshard()
+        return output
+
+    # ------------------------------------------------------------------ backward
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        ctx = self.ctx
+        if ctx is not None and not ctx.callback_queued:
+            ctx.callback_queued = True
+            Variable._execution_engine.queue_callback(ctx.end_of_backward)
+        self.training_state = TrainingState.BACKWARD
+        if self.handle is not None and self.handle.state is HandleState.SHARDED:
+            pending = self.handle.unshard()
+            if pending is not None:
+                pending.wait()
+
+    def _post_backward(self, flat: torch.Tensor) -> None:
+        handle, ctx = self.handle, self.ctx
+        if handle is None or ctx is None:
+            raise RuntimeError(
+                f"{_rank_prefix()}post-backward hook fired on an uninitialised unit {self.module!r}."
+            )
+        grad = handle.take_flat_grad()
+        if grad is None:
+            return
+        ctx.pending.append((handle, handle.reduce_grad(grad), grad))
+        while len(ctx.pending) > _MAX_PENDING_REDUCTIONS:
+            ctx.finish_oldest_reduction()
+        if handle.all_require_grad:
+            handle.reshard()
+
+    def remove_hooks(self) -> None:
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles.clear()
+
+
+def get_unit_state(module: nn.Module) -> UnitState | None:
+    state = module.__dict__.get(STATE_ATTR)
+    return state if isinstance(state, UnitState) else None
+
+
+def _rank_prefix() -> str:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return f"[rank {dist.get_rank()}] "
+    return ""

@@ -1,0 +1,188 @@
+"""``shard()``: the engine's entry point. Plans units, builds flat parameters, registers hooks, in place."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from flatshard.engine.config import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    ShardingStrategy,
+    normalize_backward_prefetch,
+    normalize_sharding_strategy,
+)
+from flatshard.engine.handle import FlatParamHandle
+from flatshard.engine.process_groups import resolve_groups
+from flatshard.engine.runtime import STATE_ATTR, UnitState, get_unit_state
+from flatshard.engine.wrap import PolicyLike, plan_units, resolve_policy, select_unit_modules
+
+__all__ = ["is_sharded", "shard", "unit_states"]
+
+
+def _not_yet(feature: str, arg: str, issue: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{arg}: {feature} is not available in this flatshard release yet ({issue}). "
+        f"HINT: leave {arg.split('=')[0]} at its default for now."
+    )
+
+
+def _default_device(group: Any | None) -> torch.device:
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def shard(
+    module: nn.Module,
+    *,
+    sharding_strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
+    auto_wrap_policy: PolicyLike = None,
+    ignored_modules: Iterable[nn.Module] | None = None,
+    process_group: Any | None = None,
+    device: torch.device | str | int | None = None,
+    sync_module_states: bool = False,
+    mixed_precision: MixedPrecision | None = None,
+    cpu_offload: CPUOffload | bool | None = None,
+    limit_all_gathers: bool = True,
+    backward_prefetch: BackwardPrefetch | str | None = None,
+    forward_prefetch: bool = False,
+) -> nn.Module:
+    """Shard ``module`` in place over the ranks of ``process_group`` and return it.
+
+    The module keeps its class, its parameter names and its ``Parameter`` objects; each parameter's data
+    becomes this rank's piece of its unit's flat parameter (see ``flatshard.engine.handle``). Forward and
+    backward hooks gather each unit just in time and reduce-scatter its gradients.
+
+    Args:
+        module: the module to shard; it is the root unit. Submodules sharded by earlier ``shard()`` calls
+            are kept as they are (manual nesting: shard inner modules first).
+        sharding_strategy: ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"`` or ``"NO_SHARD"``.
+        auto_wrap_policy: which submodules become units of their own: ``None`` (default, only the root),
+            a set of module classes (or import paths), an int (minimum parameters per unit), or a callable
+            ``(module, recurse, nonwrapped_numel) -> bool`` (torch FSDP's policy contract).
+        ignored_modules: modules whose parameters are left alone (not sharded, gradients not reduced).
+        process_group: the ranks to shard over. Default: all ranks (``None``: the default group).
+        device: where shards and compute live. Default: the current CUDA device with NCCL, else CPU.
+        sync_module_states: broadcast rank 0's parameters and buffers before sharding. Default: ``False``.
+        mixed_precision, cpu_offload, backward_prefetch, forward_prefetch: later releases; the defaults
+            are accepted.
+        limit_all_gathers: at most two all-gathers in flight (always true here: gathers are not prefetched
+            yet, so one is in flight at a time). Default: ``True``.
+
+    Returns:
+        ``module`` itself.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}.")
+    if get_unit_state(module) is not None:
+        raise ValueError(
+            f"{type(module).__name__} is already sharded. HINT: call shard() once per module; to nest, "
+            "shard inner modules first and the outer module last."
+        )
+    strategy = normalize_sharding_strategy(sharding_strategy)
+    if strategy.is_hybrid:
+        raise _not_yet("hybrid sharding", f"sharding_strategy={strategy.name}", "the hybrid sharding issue")
+    if mixed_precision is not None:
+        raise _not_yet("mixed precision", "mixed_precision=...", "the precision and memory issue")
+    if cpu_offload is not None and (cpu_offload is True or getattr(cpu_offload, "offload_params", False)):
+        raise _not_yet("CPU offload", "cpu_offload=...", "the precision and memory issue")
+    if normalize_backward_prefetch(backward_prefetch) is not None:
+        raise _not_yet("backward prefetch", f"backward_prefetch={backward_prefetch!r}", "the overlap issue")
+    if forward_prefetch:
+        raise _not_yet("forward prefetch", "forward_prefetch=True", "the overlap issue")
+    if not isinstance(limit_all_gathers, bool):
+        raise TypeError(f"limit_all_gathers must be a bool, got {limit_all_gathers!r}.")
+    policy = resolve_policy(auto_wrap_policy)
+    ignored = _expand_ignored(module, ignored_modules)
+    shard_group, replicate_group = resolve_groups(strategy, process_group)
+    target = torch.device(device) if device is not None else _default_device(shard_group)
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    if any(p.is_meta for p in module.parameters()):
+        raise NotImplementedError(
+            "shard(): the module has parameters on the meta device; meta-device init is not available in this "
+            "flatshard release yet (the precision and memory issue). HINT: build the model on CPU for now."
+        )
+
+    finished = {m for m in module.modules() if m is not module and get_unit_state(m) is not None}
+    # Only the outermost finished units matter: their subtrees are done.
+    managed = {p for m in finished for s in [get_unit_state(m)] if s and s.handle for p in s.handle.params}
+    unit_modules = select_unit_modules(module, policy, ignored, finished)
+    plans = plan_units(module, unit_modules, ignored, finished, managed)
+    names = {p: n for n, p in module.named_parameters(remove_duplicate=True)}
+    sync_group = dist.group.WORLD if sync_module_states and dist.is_initialized() else None
+    config = {
+        "sharding_strategy": strategy,
+        "process_group": process_group,
+        "device": target,
+        "ignored_modules": ignored,
+    }
+    _move_buffers(module, target, ignored, sync_group)
+    for plan in plans:
+        handle = None
+        if plan.params:
+            handle = FlatParamHandle(
+                plan.params,
+                plan.aliases,
+                [names.get(p, "?") for p in plan.params],
+                shard_group,
+                replicate_group,
+                target,
+                sync_group=sync_group,
+            )
+        plan.module.__dict__[STATE_ATTR] = UnitState(plan.module, handle, strategy, config)
+    return module
+
+
+def _expand_ignored(root: nn.Module, ignored_modules: Iterable[nn.Module] | None) -> set[nn.Module]:
+    if ignored_modules is None:
+        return set()
+    if isinstance(ignored_modules, nn.Module):
+        ignored_modules = [ignored_modules]
+    out: set[nn.Module] = set()
+    tree = set(root.modules())
+    for m in ignored_modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"ignored_modules must contain nn.Module objects, got {type(m).__name__}.")
+        if m is root:
+            raise ValueError(
+                "ignored_modules contains the module being sharded itself; nothing would be sharded."
+            )
+        if m not in tree:
+            raise ValueError(
+                f"ignored_modules contains {type(m).__name__}, which is not inside the sharded module."
+            )
+        out.update(m.modules())
+    return out
+
+
+def _move_buffers(
+    root: nn.Module, device: torch.device, ignored: set[nn.Module], sync_group: Any | None
+) -> None:
+    for m in root.modules():
+        if m in ignored:
+            continue
+        for name, buf in m._buffers.items():
+            if buf is None:
+                continue
+            if buf.device != device:
+                buf = buf.to(device)
+                m._buffers[name] = buf
+            if sync_group is not None:
+                dist.broadcast(buf, src=dist.get_global_rank(sync_group, 0), group=sync_group)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` is a unit created by ``shard()``."""
+    return get_unit_state(module) is not None
+
+
+def unit_states(module: nn.Module) -> list[UnitState]:
+    """Every unit at or below ``module``, in ``.modules()`` order."""
+    return [s for m in module.modules() for s in [get_unit_state(m)] if s is not None]

@@ -1,0 +1,150 @@
+"""Full ("consolidated") model state: gathered unit by unit, loaded slice by slice.
+
+A full state dict has exactly the keys, shapes and dtypes of the plain module's ``state_dict()``
+(tied parameters appear under each of their names), so it loads into the unsharded module with
+``load_state_dict(strict=True)`` and into a sharded one of any world size or wrap policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from flatshard.engine import comm
+from flatshard.engine.flat_param import split_flat
+from flatshard.engine.handle import FlatParamHandle, handle_of_param
+from flatshard.engine.runtime import TrainingState, UnitState
+from flatshard.engine.shard import unit_states
+
+__all__ = ["full_model_state_dict", "gather_full_flat", "load_full_model_state_dict", "prepare_for_state_io"]
+
+
+def global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def prepare_for_state_io(module: nn.Module, what: str) -> list[UnitState]:
+    """Reshard every unit (so modules hold their original Parameters); refuse inside forward/backward."""
+    states = unit_states(module)
+    if not states:
+        raise ValueError(
+            f"{what}: {type(module).__name__} is not sharded. HINT: call flatshard.shard() first."
+        )
+    for s in states:
+        if s.training_state is not TrainingState.IDLE or s.forward_depth:
+            raise RuntimeError(
+                f"{what} was called during the forward or backward of {type(s.module).__name__} "
+                f"(state {s.training_state.value}). HINT: call it between training steps."
+            )
+    for s in states:
+        if s.handle is not None:
+            s.handle.reshard()
+    return states
+
+
+def gather_full_flat(handle: FlatParamHandle) -> torch.Tensor:
+    """The unit's whole flat parameter (padded), gathered into a new buffer (the shard itself on 1 rank)."""
+    if handle.shard_world == 1:
+        return handle.sharded
+    full = torch.empty(handle.layout.padded_numel, dtype=handle.dtype, device=handle.sharded.device)
+    comm.all_gather_flat(full, handle.sharded, handle.shard_group, async_op=False)
+    return full
+
+
+def _copy_out(t: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
+    t = t.detach()
+    return t.to("cpu", copy=True) if cpu_offload else t.clone()
+
+
+def full_model_state_dict(
+    module: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True
+) -> dict[str, Any]:
+    """Gather the full model state; with ``rank0_only`` other ranks return ``{}``. Must run on all ranks."""
+    states = prepare_for_state_io(module, "get_state_dict")
+    keep = global_rank() == 0 or not rank0_only
+    gathered: dict[int, torch.Tensor] = {}
+    for s in states:
+        if s.handle is None:
+            continue
+        full = gather_full_flat(s.handle)  # one unit unsharded at a time
+        if keep:
+            for p, view in zip(s.handle.params, split_flat(full, s.handle.layout), strict=False):
+                gathered[id(p)] = _copy_out(view, cpu_offload)
+        del full
+    if not keep:
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.Tensor):
+            out[key] = gathered[id(value)] if id(value) in gathered else _copy_out(value, cpu_offload)
+        else:
+            out[key] = value
+    return out
+
+
+def _expected_shapes(module: nn.Module) -> dict[str, tuple[torch.Size, FlatParamHandle | None, int]]:
+    """state-dict key -> (full shape, managing handle or None, index in the handle)."""
+    out: dict[str, tuple[torch.Size, FlatParamHandle | None, int]] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        handle = handle_of_param(value)
+        if handle is None:
+            out[key] = (value.shape, None, -1)
+        else:
+            idx = next(i for i, p in enumerate(handle.params) if p is value)
+            out[key] = (handle.layout.shapes[idx], handle, idx)
+    return out
+
+
+def load_full_model_state_dict(
+    module: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True, source: str = "state_dict"
+) -> None:
+    """Load a full state dict; each rank copies only its own slices. Validates everything first."""
+    prepare_for_state_io(module, "set_state_dict")
+    expected = _expected_shapes(module)
+    own_keys = set(module.state_dict(keep_vars=True).keys())
+    missing = sorted(own_keys - set(state_dict))
+    unexpected = sorted(set(state_dict) - own_keys)
+    problems = []
+    if strict and missing:
+        problems.append(f"missing keys {_short(missing)}")
+    if strict and unexpected:
+        problems.append(f"unexpected keys {_short(unexpected)}")
+    for key, (shape, _, _) in expected.items():
+        value = state_dict.get(key)
+        if isinstance(value, torch.Tensor) and value.shape != shape:
+            problems.append(
+                f"{key!r} has shape {tuple(value.shape)} in {source} but {tuple(shape)} in the model"
+            )
+    if problems:
+        raise ValueError(
+            f"{source} does not match {type(module).__name__}: "
+            + "; ".join(problems)
+            + ". HINT: load a checkpoint of the same model architecture, or pass strict=False to skip missing "
+            "and unexpected keys. Nothing was loaded."
+        )
+    rest: dict[str, Any] = {}
+    with torch.no_grad():
+        for key, value in state_dict.items():
+            entry = expected.get(key)
+            if entry is None or entry[1] is None:
+                rest[key] = value
+                continue
+            _, handle, idx = entry
+            assert handle is not None
+            info = handle.shard_infos[idx]
+            if info.numel_in_shard:
+                src = value.reshape(-1)[info.offset_in_param : info.offset_in_param + info.numel_in_shard]
+                handle.sharded[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard].copy_(src)
+    if rest:
+        module.load_state_dict(rest, strict=False)
+
+
+def _short(keys: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return f"[{shown}{', ...' if len(keys) > limit else ''}] ({len(keys)} total)"

@@ -1,0 +1,92 @@
+"""Checkpoint files: atomic writes and validated reads with errors that name the file.
+
+A full checkpoint is a plain ``torch.save`` file (a plain Lightning checkpoint), so it loads without
+flatshard installed. Writes go to a temporary name beside the target, are flushed and fsynced, then
+renamed over it: a crash mid-save leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["CheckpointError", "atomic_save", "load_checkpoint_file"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint could not be read or does not fit; the message names the file and the fix."""
+
+
+def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
+    """``torch.save`` to ``path`` via a temporary file, fsync and rename."""
+    target = Path(path)
+    if target.is_dir():
+        raise IsADirectoryError(f"Cannot write the checkpoint {target}: a directory of that name exists.")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, target)
+    except BaseException:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+        raise
+    _fsync_dir(target.parent)
+    return target
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint_file(path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
+    """Read a full checkpoint memory-mapped (tensors are paged in only when sliced)."""
+    target = Path(path)
+    if not target.exists():
+        raise FileNotFoundError(
+            f"Checkpoint {target} does not exist. HINT: check the path passed as ckpt_path."
+        )
+    if target.is_dir():
+        raise CheckpointError(
+            f"Checkpoint {target} is a directory; sharded checkpoints are not available in this flatshard release "
+            "yet. HINT: pass a full checkpoint file."
+        )
+    if target.stat().st_size == 0:
+        raise CheckpointError(
+            f"Checkpoint {target} is empty (0 bytes): the save was interrupted. Use an earlier one."
+        )
+    try:
+        checkpoint = torch.load(
+            target,
+            map_location="cpu",
+            mmap=True,
+            weights_only=bool(weights_only) if weights_only is not None else False,
+        )
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError) as err:
+        raise CheckpointError(
+            f"Checkpoint {target} could not be read ({type(err).__name__}: {err}). It is truncated or not a torch "
+            "checkpoint. HINT: use an earlier checkpoint; nothing was loaded."
+        ) from err
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(
+            f"Checkpoint {target} holds a {type(checkpoint).__name__}, not a checkpoint dict."
+        )
+    return checkpoint

@@ -1,0 +1,122 @@
+"""Strategy arguments, validated once and shared by the Trainer and Fabric strategies.
+
+Arguments whose feature lands in a later release raise ``NotImplementedError`` naming the feature
+when set to anything but their default; no argument is ever silently ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flatshard.engine.config import (
+    CPUOffload,
+    ShardingStrategy,
+    normalize_backward_prefetch,
+    normalize_sharding_strategy,
+)
+from flatshard.engine.wrap import Policy, resolve_policy
+
+__all__ = ["StrategyOptions"]
+
+_STATE_DICT_TYPES = ("full", "sharded")
+_START_METHODS = ("popen", "spawn")
+
+
+def _later(arg: str, value: Any, feature: str, issue: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{arg}={value!r}: {feature} is not available in this flatshard release yet ({issue}). "
+        f"HINT: leave {arg} at its default for now."
+    )
+
+
+@dataclass(frozen=True)
+class StrategyOptions:
+    sharding_strategy: ShardingStrategy
+    auto_wrap_policy: Policy | None
+    limit_all_gathers: bool
+    state_dict_type: str
+    sync_module_states: bool
+    start_method: str
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        sharding_strategy: Any,
+        auto_wrap_policy: Any,
+        activation_checkpointing_policy: Any,
+        cpu_offload: Any,
+        mixed_precision: Any,
+        limit_all_gathers: Any,
+        backward_prefetch: Any,
+        forward_prefetch: Any,
+        state_dict_type: Any,
+        sync_module_states: Any,
+        shard_group_size: Any,
+        process_group: Any,
+        device_mesh: Any,
+        start_method: Any,
+    ) -> StrategyOptions:
+        strategy = normalize_sharding_strategy(sharding_strategy)
+        if strategy.is_hybrid:
+            raise _later("sharding_strategy", strategy.name, "hybrid sharding", "the hybrid sharding issue")
+        for arg, value in (
+            ("shard_group_size", shard_group_size),
+            ("process_group", process_group),
+            ("device_mesh", device_mesh),
+        ):
+            if value is not None:
+                raise _later(arg, value, "hybrid sharding groups", "the hybrid sharding issue")
+        if activation_checkpointing_policy is not None:
+            raise _later(
+                "activation_checkpointing_policy",
+                activation_checkpointing_policy,
+                "activation checkpointing",
+                "the precision and memory issue",
+            )
+        if cpu_offload is not None and not isinstance(cpu_offload, (bool, CPUOffload)):
+            raise TypeError(f"cpu_offload must be a bool or CPUOffload, got {type(cpu_offload).__name__}.")
+        if cpu_offload is True or getattr(cpu_offload, "offload_params", False):
+            raise _later("cpu_offload", cpu_offload, "CPU offload", "the precision and memory issue")
+        if mixed_precision is not None:
+            raise _later(
+                "mixed_precision", mixed_precision, "mixed precision", "the precision and memory issue"
+            )
+        if normalize_backward_prefetch(backward_prefetch) is not None:
+            raise _later("backward_prefetch", backward_prefetch, "backward prefetch", "the overlap issue")
+        if forward_prefetch:
+            raise _later("forward_prefetch", forward_prefetch, "forward prefetch", "the overlap issue")
+        for arg, value in (
+            ("limit_all_gathers", limit_all_gathers),
+            ("forward_prefetch", forward_prefetch),
+            ("sync_module_states", sync_module_states),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f"{arg} must be a bool, got {type(value).__name__}: {value!r}.")
+        if state_dict_type not in _STATE_DICT_TYPES:
+            raise ValueError(f"state_dict_type={state_dict_type!r} is not one of {_STATE_DICT_TYPES}.")
+        if state_dict_type == "sharded":
+            raise _later("state_dict_type", state_dict_type, "sharded checkpoints", "the checkpoints issue")
+        if start_method not in _START_METHODS:
+            raise ValueError(f"start_method={start_method!r} is not one of {_START_METHODS}.")
+        return cls(
+            sharding_strategy=strategy,
+            auto_wrap_policy=resolve_policy(auto_wrap_policy),
+            limit_all_gathers=limit_all_gathers,
+            state_dict_type=state_dict_type,
+            sync_module_states=sync_module_states,
+            start_method=start_method,
+        )
+
+    def shard_kwargs(self, device: torch.device) -> dict[str, Any]:
+        """Arguments for ``flatshard.shard`` on ``device``."""
+        return {
+            "sharding_strategy": self.sharding_strategy,
+            "auto_wrap_policy": self.auto_wrap_policy,
+            "limit_all_gathers": self.limit_all_gathers,
+            "sync_module_states": self.sync_module_states,
+            "device": device,
+        }

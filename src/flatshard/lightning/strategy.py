@@ -1,0 +1,401 @@
+"""``FlatShardStrategy``: Lightning's Trainer driving flatshard's sharding engine.
+
+The LightningModule is sharded in place (no wrapper): ``trainer.model is lightning_module``. Step
+methods are routed through the module's ``forward`` (Lightning's forward redirection) so the root
+unit's hooks gather and free its parameters around ``training_step`` and friends.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from torch.nn import Module
+from typing_extensions import override
+
+from flatshard.engine import shard
+from flatshard.engine.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from flatshard.engine.optim_state import full_optim_state_dict, load_full_optim_state_dict
+from flatshard.engine.shard import is_sharded
+from flatshard.engine.state_dict import full_model_state_dict, load_full_model_state_dict
+from flatshard.lightning.checkpoint_io import CheckpointError, atomic_save, load_checkpoint_file
+from flatshard.lightning.options import StrategyOptions
+from flatshard.lightning.precision import FlatShardPrecision, to_flatshard_precision
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+    from lightning.pytorch.accelerators import Accelerator
+    from lightning.pytorch.plugins.precision import Precision
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FlatShardStrategy"]
+
+
+class FlatShardStrategy(ParallelStrategy):
+    r"""Fully sharded data-parallel training with flatshard's engine.
+
+    Arguments mirror Lightning's ``FSDPStrategy`` so that migrating is a one-word change.
+
+    Args:
+        sharding_strategy: ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"``, ``"NO_SHARD"``, or the enum.
+        auto_wrap_policy: which submodules become units: a set/list of module classes (or import paths),
+            an int (minimum parameters per unit), or a callable ``(module, recurse, nonwrapped_numel)``.
+            Default: ``None`` (the whole model is one unit).
+        activation_checkpointing_policy: later release; must be ``None``.
+        cpu_offload: later release; must be falsy.
+        mixed_precision: later release; must be ``None``.
+        limit_all_gathers: at most two all-gathers in flight. Default: ``True``.
+        backward_prefetch: later release; must be ``None``.
+        forward_prefetch: later release; must be ``False``.
+        state_dict_type: ``"full"``: one consolidated file from rank 0 (a plain Lightning checkpoint).
+            ``"sharded"`` comes in a later release. Default: ``"full"``.
+        sync_module_states: broadcast rank 0's parameters and buffers before sharding. Default: ``False``.
+        shard_group_size, process_group, device_mesh: hybrid sharding, a later release; must be ``None``.
+        process_group_backend: ``"gloo"`` / ``"nccl"``; default: by device.
+        timeout: process-group timeout.
+        start_method: ``"popen"`` (default: the script is re-run per rank, like ``ddp``) or ``"spawn"``.
+    """
+
+    strategy_name = "flatshard"
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        sharding_strategy: ShardingStrategy | str = "FULL_SHARD",
+        auto_wrap_policy: set[type[Module]]
+        | list[type[Module]]
+        | list[str]
+        | int
+        | Callable[..., bool]
+        | None = None,
+        activation_checkpointing_policy: set[type[Module]] | list[type[Module]] | list[str] | None = None,
+        cpu_offload: bool | CPUOffload | None = None,
+        mixed_precision: MixedPrecision | None = None,
+        limit_all_gathers: bool = True,
+        backward_prefetch: BackwardPrefetch | str | None = None,
+        forward_prefetch: bool = False,
+        state_dict_type: Literal["full", "sharded"] = "full",
+        sync_module_states: bool = False,
+        shard_group_size: int | None = None,
+        process_group: Any | None = None,
+        device_mesh: Any | None = None,
+        start_method: Literal["popen", "spawn"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.options = StrategyOptions.create(
+            sharding_strategy=sharding_strategy,
+            auto_wrap_policy=auto_wrap_policy,
+            activation_checkpointing_policy=activation_checkpointing_policy,
+            cpu_offload=cpu_offload,
+            mixed_precision=mixed_precision,
+            limit_all_gathers=limit_all_gathers,
+            backward_prefetch=backward_prefetch,
+            forward_prefetch=forward_prefetch,
+            state_dict_type=state_dict_type,
+            sync_module_states=sync_module_states,
+            shard_group_size=shard_group_size,
+            process_group=process_group,
+            device_mesh=device_mesh,
+            start_method=start_method,
+        )
+        self.num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        return self.options.sharding_strategy
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def is_distributed(self) -> bool:  # read by Lightning to add a DistributedSampler
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # state is loaded into the already sharded model, slice by slice
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores optimizers itself (full state -> local slices)
+
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> FlatShardPrecision:
+        plugin = self._precision_plugin
+        return plugin if isinstance(plugin, FlatShardPrecision) else FlatShardPrecision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        self._precision_plugin = to_flatshard_precision(precision_plugin)
+
+    # ------------------------------------------------------------------ environment
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = (
+            self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        )
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        if self.root_device.type == "cuda":
+            torch.cuda.set_device(self.root_device)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.options.start_method == "spawn":
+            self._launcher = _MultiProcessingLauncher(self, start_method="spawn")
+        elif not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+
+    # ------------------------------------------------------------------ model setup
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        assert self.model is not None
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model = self._setup_model(self.model)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _setup_model(self, model: Module) -> Module:
+        if is_sharded(model):
+            log.debug("flatshard: model is already sharded; reusing its units.")
+            return model
+        return shard(model, **self.options.shard_kwargs(self.root_device))
+
+    @override
+    def model_to_device(self) -> None:
+        pass  # shard() places shards and buffers on the root device
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        if empty_init:
+            raise NotImplementedError(
+                "empty_init=True (meta-device init) is not available in this flatshard release yet (the precision "
+                "and memory issue). HINT: use trainer.init_module() without empty_init for now."
+            )
+        with self.precision_plugin.tensor_init_context():
+            yield
+
+    # ------------------------------------------------------------------ steps through forward
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.model is not None and self.lightning_module is not None
+        with self.precision_plugin.train_step_context():
+            return self._forward_redirection(
+                self.model, self.lightning_module, "training_step", *args, **kwargs
+            )
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.model is not None and self.lightning_module is not None
+        with self.precision_plugin.val_step_context():
+            return self._forward_redirection(
+                self.model, self.lightning_module, "validation_step", *args, **kwargs
+            )
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.model is not None and self.lightning_module is not None
+        with self.precision_plugin.test_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.model is not None and self.lightning_module is not None
+        with self.precision_plugin.predict_step_context():
+            return self._forward_redirection(
+                self.model, self.lightning_module, "predict_step", *args, **kwargs
+            )
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean"
+    ) -> Tensor:
+        if isinstance(tensor, Tensor):
+            reduced: Tensor = _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return reduced
+        return tensor  # type: ignore[no-any-return]  # non-tensors pass through unchanged
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        return full_model_state_dict(self.model, rank0_only=True, cpu_offload=True)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        assert self.model is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return full_optim_state_dict(self.model, optimizer, rank0_only=True, cpu_offload=True)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # done in load_checkpoint, before Lightning restores the rest
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # done in load_checkpoint
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "FlatShardStrategy.save_checkpoint(..., storage_options=...) is not supported: flatshard writes "
+                "checkpoints itself. HINT: drop storage_options."
+            )
+        if self.is_global_zero:
+            atomic_save(checkpoint, filepath)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            super().remove_checkpoint(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = self.broadcast(checkpoint_path)
+        assert self.model is not None and self.lightning_module is not None
+        checkpoint = load_checkpoint_file(path, weights_only=weights_only)
+        if "state_dict" not in checkpoint:
+            raise CheckpointError(
+                f"Checkpoint {path} has no 'state_dict' entry (keys: {sorted(checkpoint)[:8]}). HINT: pass a "
+                "checkpoint written by Trainer.save_checkpoint."
+            )
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        optimizer_states = checkpoint.get("optimizer_states") if fitting else None
+        if optimizer_states is not None and len(optimizer_states) != len(self.optimizers):
+            raise CheckpointError(
+                f"Checkpoint {path} holds {len(optimizer_states)} optimizer states but the model configures "
+                f"{len(self.optimizers)} optimizers. HINT: resume with the same configure_optimizers()."
+            )
+        try:
+            load_full_model_state_dict(
+                self.model,
+                checkpoint["state_dict"],
+                strict=self.lightning_module.strict_loading,
+                source=str(path),
+            )
+            for i, (opt, state) in enumerate(zip(self.optimizers, optimizer_states or [], strict=False)):
+                load_full_optim_state_dict(self.model, opt, state, source=f"{path} (optimizer #{i})")
+        except ValueError as err:
+            raise CheckpointError(str(err)) from err
+        return checkpoint
+
+    # ------------------------------------------------------------------ teardown / registry
+    @override
+    def teardown(self) -> None:
+        pl_module = self.lightning_module
+        if (
+            pl_module is not None
+            and pl_module._trainer is not None
+            and pl_module._trainer.state.fn == TrainerFn.FITTING
+            and self._layer_sync
+        ):
+            assert self.model is not None
+            self.model = self._layer_sync.revert(self.model)
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        from flatshard.lightning.registry import register_names
+
+        register_names(strategy_registry, cls)
