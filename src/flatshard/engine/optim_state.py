@@ -165,8 +165,9 @@ def load_full_optim_state_dict(
                     value = value.reshape(-1)[
                         info.offset_in_param : info.offset_in_param + info.numel_in_shard
                     ]
-                    value = value.clone()
-            converted[key] = value
+            # Always a private copy: the optimizer updates state in place (``step`` included), and the
+            # source may be another optimizer's live state or a memory-mapped file.
+            converted[key] = value.clone() if isinstance(value, torch.Tensor) else value
         local_state[pos] = converted
     groups = [
         dict(g, params=list(range(start, start + len(g["params"]))))

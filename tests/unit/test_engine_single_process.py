@@ -1,0 +1,155 @@
+"""The engine in one process without torch.distributed: names, views, parity, misuse errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import flatshard
+from flatshard.engine.handle import HandleState
+from flatshard.engine.shard import unit_states
+from flatshard.testing.models import Block, TinyGPT, make_batch
+
+
+def _pair(**kwargs: object) -> tuple[TinyGPT, TinyGPT]:
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    model = copy.deepcopy(reference)
+    flatshard.shard(model, **kwargs)
+    return reference, model
+
+
+def test_names_parameter_objects_and_state_dict_keys_are_kept() -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    names_before = [n for n, _ in model.named_parameters()]
+    params_before = list(model.parameters())
+    keys_before = list(model.state_dict())
+    flatshard.shard(model, auto_wrap_policy={Block})
+    assert [n for n, _ in model.named_parameters()] == names_before
+    assert all(a is b for a, b in zip(model.parameters(), params_before))
+    assert list(model.state_dict()) == keys_before
+    assert model.head.weight is model.wte.weight
+
+
+def test_training_matches_reference_and_optimizer_built_before_shard() -> None:
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    model = copy.deepcopy(reference)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # built BEFORE shard()
+    flatshard.shard(model, auto_wrap_policy={Block})
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        idx, tgt = make_batch(step, 4)
+        for m, o in ((reference, ref_opt), (model, opt)):
+            m.loss(idx, tgt).backward()
+            o.step()
+            o.zero_grad()
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_units_are_resharded_after_step_and_inference() -> None:
+    _, model = _pair(auto_wrap_policy={Block})
+    idx, tgt = make_batch(0, 2)
+    model.loss(idx, tgt).backward()
+    assert all(s.handle is None or s.handle.state is HandleState.SHARDED for s in unit_states(model))
+    with torch.no_grad():
+        model(idx)
+    assert all(s.handle is None or s.handle.state is HandleState.SHARDED for s in unit_states(model))
+    assert all(isinstance(p, nn.Parameter) for p in model.parameters())
+
+
+def test_inference_mode_then_training_still_works() -> None:
+    reference, model = _pair(auto_wrap_policy={Block})
+    idx, tgt = make_batch(0, 2)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(idx), reference(idx))
+    model.loss(idx, tgt).backward()
+    reference.loss(idx, tgt).backward()
+    torch.testing.assert_close(model.blocks[0].fc.weight.grad, reference.blocks[0].fc.weight.grad)
+
+
+def test_frozen_parameters_inside_a_unit_get_no_gradient() -> None:
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    for m in (reference,):
+        m.blocks[0].fc.weight.requires_grad_(False)
+        m.wpe.weight.requires_grad_(False)
+    model = copy.deepcopy(reference)
+    flatshard.shard(model, auto_wrap_policy={Block})
+    idx, tgt = make_batch(0, 2)
+    model.loss(idx, tgt).backward()
+    reference.loss(idx, tgt).backward()
+    assert model.blocks[0].fc.weight.grad is None and model.wpe.weight.grad is None
+    torch.testing.assert_close(model.blocks[0].fc.bias.grad, reference.blocks[0].fc.bias.grad)
+
+
+def test_gradients_accumulate_across_backward_calls() -> None:
+    reference, model = _pair(auto_wrap_policy={Block})
+    for step in range(2):
+        idx, tgt = make_batch(step, 2)
+        model.loss(idx, tgt).backward()
+        reference.loss(idx, tgt).backward()
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=name)
+
+
+def test_sharding_twice_is_an_error() -> None:
+    _, model = _pair()
+    with pytest.raises(ValueError, match="already sharded"):
+        flatshard.shard(model)
+
+
+def test_tied_param_shared_outside_a_manually_sharded_unit_is_an_error() -> None:
+    model = TinyGPT(tie=True)
+    flatshard.shard(model.wte)
+    with pytest.raises(ValueError, match="wte.weight|head.weight|outside it"):
+        flatshard.shard(model)
+
+
+def test_not_yet_available_features_raise_not_implemented() -> None:
+    for kwargs in (
+        {"mixed_precision": flatshard.MixedPrecision(param_dtype=torch.bfloat16)},
+        {"cpu_offload": True},
+        {"backward_prefetch": "BACKWARD_PRE"},
+        {"forward_prefetch": True},
+        {"sharding_strategy": "HYBRID_SHARD"},
+    ):
+        with pytest.raises(NotImplementedError, match="not available"):
+            flatshard.shard(TinyGPT(), **kwargs)
+
+
+def test_mixed_dtypes_in_one_unit_are_refused() -> None:
+    model = TinyGPT()
+    model.ln_f.double()
+    with pytest.raises(ValueError, match="one dtype"):
+        flatshard.shard(model)
+
+
+def test_state_dict_roundtrip_single_process() -> None:
+    reference, model = _pair(auto_wrap_policy=700)
+    full, _ = flatshard.get_state_dict(model)
+    assert {k: v.shape for k, v in full.items()} == {k: v.shape for k, v in reference.state_dict().items()}
+    other = TinyGPT()
+    flatshard.shard(other, auto_wrap_policy={Block})
+    flatshard.set_state_dict(other, None, full)
+    idx, _ = make_batch(0, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(other(idx), reference(idx))
+
+
+def test_clip_grad_norm_matches_torch() -> None:
+    reference, model = _pair(auto_wrap_policy={Block})
+    idx, tgt = make_batch(0, 2)
+    model.loss(idx, tgt).backward()
+    reference.loss(idx, tgt).backward()
+    for norm_type in (2.0, float("inf")):
+        ours = flatshard.clip_grad_norm_(model, 0.01, norm_type)
+        theirs = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01, norm_type)
+        torch.testing.assert_close(ours, theirs)
+    for a, b in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
