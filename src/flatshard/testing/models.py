@@ -24,11 +24,12 @@ class Block(nn.Module):
         self.n_head = n_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
+        c = x.shape[-1]
         q, k, v = self.attn(self.ln1(x)).split(c, dim=-1)
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(att)
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        out: torch.Tensor = x + self.out(F.gelu(self.fc(self.ln2(x))))
+        return out
 
 
 class TinyGPT(nn.Module):
