@@ -73,7 +73,7 @@ class GPTLitModule(L.LightningModule):
         )
         self.model: GPT | None = None
         self.sample_ids: list[int] | None = None  # filled on every rank by ``on_train_end``
-        self.last_train_loss: float = math.nan
+        self.last_train_loss: Tensor | None = None  # this rank's loss at its last training step
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -91,7 +91,7 @@ class GPTLitModule(L.LightningModule):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = self._loss(batch)
-        self.last_train_loss = loss.item()
+        self.last_train_loss = loss.detach()
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
@@ -144,8 +144,9 @@ class GPTLitModule(L.LightningModule):
         val_loss = float(val) if val is not None else math.nan
         peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
         param_bytes = self.param_storage_bytes()
+        train_loss = float(self.last_train_loss) if self.last_train_loss is not None else math.nan
         line = (
-            f"[rank {rank}/{world}] train_loss={self.last_train_loss:.4f} val_loss={val_loss:.4f} "
+            f"[rank {rank}/{world}] train_loss={train_loss:.4f} val_loss={val_loss:.4f} "
             f"param_bytes={param_bytes} param_mib={param_bytes / 2**20:.2f} peak_rss_mib={peak_rss_mib:.1f}"
         )
         for r in range(world):
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     trainer.fit(module, train_loader, val_loader, ckpt_path=args.resume)
     if args.ckpt_out:
-        trainer.save_checkpoint(args.ckpt_out)  # collective: every rank calls it
+        trainer.save_checkpoint(args.ckpt_out, weights_only=False)  # collective: every rank calls it
         if trainer.is_global_zero:
             print(f"saved checkpoint to {args.ckpt_out}", flush=True)
 
