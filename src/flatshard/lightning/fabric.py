@@ -37,6 +37,7 @@ from flatshard.engine.shard import is_sharded
 from flatshard.engine.state_dict import full_model_state_dict, load_full_model_state_dict
 from flatshard.lightning.checkpoint_io import atomic_save, load_checkpoint_file
 from flatshard.lightning.options import StrategyOptions
+from flatshard.lightning.strategy import _move_metrics
 
 if TYPE_CHECKING:
     from lightning.fabric.accelerators import Accelerator
@@ -168,6 +169,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
     def setup_module(self, module: Module) -> Module:
         if not is_sharded(module):
             shard(module, **self.options.shard_kwargs(self.root_device))
+        _move_metrics(module, self.root_device)
         self._sharded_modules.append(module)
         return module
 

@@ -52,6 +52,15 @@ log = logging.getLogger(__name__)
 __all__ = ["FlatShardStrategy"]
 
 
+def _move_metrics(model: Module, device: torch.device) -> None:
+    """torchmetrics states are plain attributes, not buffers: move them like Lightning does (never sharded)."""
+    from torchmetrics import Metric
+
+    for m in model.modules():
+        if isinstance(m, Metric):
+            m.to(device)
+
+
 class FlatShardStrategy(ParallelStrategy):
     r"""Fully sharded data-parallel training with flatshard's engine.
 
@@ -232,8 +241,10 @@ class FlatShardStrategy(ParallelStrategy):
     def _setup_model(self, model: Module) -> Module:
         if is_sharded(model):
             log.debug("flatshard: model is already sharded; reusing its units.")
-            return model
-        return shard(model, **self.options.shard_kwargs(self.root_device))
+        else:
+            shard(model, **self.options.shard_kwargs(self.root_device))
+        _move_metrics(model, self.root_device)
+        return model
 
     @override
     def model_to_device(self) -> None:
