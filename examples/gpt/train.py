@@ -22,12 +22,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader
-
-import lightning as L
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # make ``model`` importable from anywhere
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 
-import flatshard  # noqa: F401  (registers the strategy names)
+import flatshard  # registers the strategy names
 from flatshard.testing import spawn
 from flatshard.testing.models import TinyGPT, make_batch
 
