@@ -35,21 +35,38 @@ def _param_groups(model: torch.nn.Module) -> list[dict]:
     return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _shard(model: TinyGPT, strategy: str, wrap: str) -> None:
+# (backward_prefetch, forward_prefetch, limit_all_gathers)
+PREFETCH = {
+    "default": ("BACKWARD_PRE", False, True),
+    "post+fwd": ("BACKWARD_POST", True, True),
+    "none+nolimit": (None, False, False),
+}
+
+
+def _shard(model: TinyGPT, strategy: str, wrap: str, prefetch: str = "default") -> None:
+    backward, forward, limit = PREFETCH[prefetch]
+    kwargs = {
+        "sharding_strategy": strategy,
+        "backward_prefetch": backward,
+        "forward_prefetch": forward,
+        "limit_all_gathers": limit,
+    }
     if wrap == "manual":
         for blk in model.blocks:
-            flatshard.shard(blk, sharding_strategy=strategy)
-        flatshard.shard(model, sharding_strategy=strategy)
+            flatshard.shard(blk, **kwargs)
+        flatshard.shard(model, **kwargs)
         return
     policy = {"none": None, "class": {Block}, "size": 700}[wrap]
-    flatshard.shard(model, sharding_strategy=strategy, auto_wrap_policy=policy)
+    flatshard.shard(model, auto_wrap_policy=policy, **kwargs)
 
 
-def _run_case(rank: int, world: int, strategy: str, wrap: str, model_kind: str) -> tuple[float, float]:
+def _run_case(
+    rank: int, world: int, strategy: str, wrap: str, model_kind: str, prefetch: str = "default"
+) -> tuple[float, float]:
     torch.manual_seed(0)
     reference = TinyGPT(tie=model_kind == "tied")
     model = copy.deepcopy(reference)
-    _shard(model, strategy, wrap)
+    _shard(model, strategy, wrap, prefetch)
     ref_opt = torch.optim.AdamW(_param_groups(reference), lr=1e-2)
     opt = torch.optim.AdamW(_param_groups(model), lr=1e-2)
     worst_loss = 0.0
@@ -80,6 +97,11 @@ def _run_all(rank: int, world: int) -> dict[str, tuple[float, float]]:
     results = {}
     for strategy, wrap, model_kind in itertools.product(STRATEGIES, WRAPS, MODELS):
         results[f"{strategy}/{wrap}/{model_kind}"] = _run_case(rank, world, strategy, wrap, model_kind)
+    # Every prefetch / rate-limiter combination, on the layouts where prefetching has work to do.
+    for strategy, wrap, prefetch in itertools.product(STRATEGIES[:2], ["class", "manual"], PREFETCH):
+        if prefetch != "default":
+            key = f"{strategy}/{wrap}/tied/{prefetch}"
+            results[key] = _run_case(rank, world, strategy, wrap, "tied", prefetch)
     return results
 
 
@@ -88,7 +110,7 @@ def _run_all(rank: int, world: int) -> dict[str, tuple[float, float]]:
 def test_parity_every_strategy_and_wrap(world_size: int) -> None:
     per_rank = spawn(_run_all, world_size)
     for rank, results in enumerate(per_rank):
-        assert len(results) == len(STRATEGIES) * len(WRAPS) * len(MODELS)
+        assert len(results) == len(STRATEGIES) * len(WRAPS) * len(MODELS) + 2 * 2 * (len(PREFETCH) - 1)
         for case, (loss_err, weight_err) in results.items():
             assert loss_err < 1e-5, f"rank {rank} {case}: loss differs by {loss_err}"
             assert weight_err < 1e-5, f"rank {rank} {case}: weights differ by {weight_err}"

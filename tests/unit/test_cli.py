@@ -18,8 +18,15 @@ def _ckpt(path: Path) -> Path:
     opt = torch.optim.AdamW(model.parameters())
     model.loss(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long)).backward()
     opt.step()
-    atomic_save({"epoch": 1, "global_step": 7, "state_dict": model.state_dict(),
-                 "optimizer_states": [opt.state_dict()]}, path)
+    atomic_save(
+        {
+            "epoch": 1,
+            "global_step": 7,
+            "state_dict": model.state_dict(),
+            "optimizer_states": [opt.state_dict()],
+        },
+        path,
+    )
     return path
 
 

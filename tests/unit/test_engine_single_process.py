@@ -115,8 +115,6 @@ def test_not_yet_available_features_raise_not_implemented() -> None:
     for kwargs in (
         {"mixed_precision": flatshard.MixedPrecision(param_dtype=torch.bfloat16)},
         {"cpu_offload": True},
-        {"backward_prefetch": "BACKWARD_PRE"},
-        {"forward_prefetch": True},
         {"sharding_strategy": "HYBRID_SHARD"},
     ):
         with pytest.raises(NotImplementedError, match="not available"):

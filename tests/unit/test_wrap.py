@@ -72,7 +72,9 @@ def test_tied_weight_goes_to_lowest_common_ancestor() -> None:
     root_params = by_module[id(model)].params
     assert any(p is model.wte.weight for p in root_params)
     assert by_module[id(model.wte)].params == []
-    aliases = by_module[id(model)].aliases[next(i for i, p in enumerate(root_params) if p is model.wte.weight)]
+    aliases = by_module[id(model)].aliases[
+        next(i for i, p in enumerate(root_params) if p is model.wte.weight)
+    ]
     assert {(type(m).__name__, n) for m, n in aliases} == {("Embedding", "weight"), ("Linear", "weight")}
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from flatshard.engine import comm
 from flatshard.engine.flat_param import FlatLayout, ShardInfo, flatten_tensors, split_flat
+from flatshard.engine.limiter import AllGatherLimiter
+from flatshard.engine.streams import CommContext
 from flatshard.engine.wrap import Alias
 
 __all__ = ["FlatParamHandle", "HandleState", "handle_of_param"]
@@ -41,6 +43,22 @@ _PARAM_TO_HANDLE = WeakIdKeyDictionary()  # Parameter -> FlatParamHandle, keyed 
 def handle_of_param(param: torch.Tensor) -> FlatParamHandle | None:
     """The handle managing ``param``, or ``None`` for a parameter flatshard does not manage."""
     return _PARAM_TO_HANDLE.get(param)  # type: ignore[no-any-return]
+
+
+class _InFlight(NamedTuple):
+    """A collective issued for a handle: its work, the side-stream event (CUDA) and what it reads."""
+
+    pending: comm.Pending
+    event: Any | None  # recorded on the side stream after the collective; None on CPU
+    keepalive: torch.Tensor | None  # an input the side stream reads, alive until waited for
+
+
+def _reduce_scatter_into(handle: FlatParamHandle, out: torch.Tensor, full: torch.Tensor) -> comm.Pending:
+    return comm.reduce_scatter_flat(out, full, handle.shard_group)
+
+
+def _all_reduce_into(handle: FlatParamHandle, out: torch.Tensor, full: torch.Tensor) -> comm.Pending:
+    return comm.all_reduce_flat(out, handle.replicate_group)
 
 
 class HandleState(enum.Enum):
@@ -132,6 +150,7 @@ class FlatParamHandle:
         self._flat.data = self._gather
         self._flat.requires_grad_(self.any_requires_grad)
         self._sharded_grad: torch.Tensor | None = None  # 1-D, like _sharded
+        self._pending_unshard: _InFlight | None = None  # a gather issued and not yet waited for
         for p in self.params:
             _PARAM_TO_HANDLE[p] = self
         self.use_sharded_views()
@@ -159,23 +178,53 @@ class FlatParamHandle:
                 module._parameters[name] = view  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ gather / free
-    def unshard(self, async_op: bool = False) -> comm.Pending | None:
-        """Gather the flat parameter; returns the pending all-gather (``None`` if nothing to wait for)."""
+    def unshard(self, streams: CommContext | None = None, limiter: AllGatherLimiter | None = None) -> None:
+        """Start gathering the flat parameter (asynchronously); :meth:`wait_unshard` makes it usable.
+
+        See [Note: stream overlap] for which stream allocates and which waits.
+        """
         if self.state is HandleState.UNSHARDED:
-            return None
+            return
         self.state = HandleState.UNSHARDED
         if self.shard_world == 1:
-            return None
-        _alloc_storage(self._gather)
-        return comm.all_gather_flat(self._gather, self._sharded, self.shard_group, async_op=async_op)
+            return
+        if limiter is not None:
+            limiter.before_all_gather()  # see [Note: rate limiter]
+        _alloc_storage(self._gather)  # on the compute stream
+        if streams is not None and streams.is_cuda:
+            streams.side_waits_compute(streams.unshard)
+            with streams.on(streams.unshard):
+                pending = comm.all_gather_flat(self._gather, self._sharded, self.shard_group)
+                pending.wait()  # the unshard stream (not the CPU) waits for the collective
+                self._pending_unshard = _InFlight(pending, streams.record(streams.unshard), None)
+        else:
+            pending = comm.all_gather_flat(self._gather, self._sharded, self.shard_group)
+            self._pending_unshard = _InFlight(pending, None, None)
 
-    def reshard(self) -> None:
+    def wait_unshard(self, streams: CommContext | None = None) -> None:
+        """Block the compute stream (CUDA) or the CPU (gloo) until the gather has landed."""
+        inflight, self._pending_unshard = self._pending_unshard, None
+        if inflight is None:
+            return
+        if inflight.event is not None and streams is not None:
+            streams.wait(inflight.event)
+        else:
+            inflight.pending.wait()
+
+    @property
+    def unshard_in_flight(self) -> bool:
+        return self._pending_unshard is not None
+
+    def reshard(self, streams: CommContext | None = None, limiter: AllGatherLimiter | None = None) -> None:
         """Free the gathered flat parameter and restore the original Parameters on the modules."""
         if self.state is HandleState.SHARDED:
             return
+        self.wait_unshard(streams)  # never free a buffer a collective may still write (unused prefetch)
         self.use_sharded_views()
         if self.shard_world > 1:
             _free_storage(self._gather)
+            if limiter is not None and streams is not None:
+                limiter.record_free(streams.record)
         self.state = HandleState.SHARDED
 
     # ------------------------------------------------------------------ gradients
@@ -184,18 +233,32 @@ class FlatParamHandle:
         self._flat.grad = None
         return grad
 
-    def reduce_grad(self, flat_grad: torch.Tensor) -> comm.Pending:
-        """Start reducing an unsharded flat gradient to this rank's gradient shard (a SUM; see finish_grad)."""
-        if self.shard_world == 1:
-            if self.replicate_world > 1:
-                return comm.all_reduce_flat(flat_grad, self.replicate_group)
-            return comm.Pending(flat_grad, None)
-        out = torch.empty_like(self._sharded)
-        return comm.reduce_scatter_flat(out, flat_grad, self.shard_group)
+    def reduce_grad(self, flat_grad: torch.Tensor, streams: CommContext | None = None) -> _InFlight:
+        """Start reducing an unsharded flat gradient to this rank's gradient shard (a SUM; see finish_grad).
 
-    def finish_grad(self, pending: comm.Pending) -> None:
+        ``flat_grad`` is kept alive in the returned record until :meth:`finish_grad` has waited.
+        """
+        if self.shard_world == 1:
+            if self.replicate_world == 1:
+                return _InFlight(comm.Pending(flat_grad, None), None, flat_grad)
+            out, collective = flat_grad, _all_reduce_into
+        else:
+            out, collective = torch.empty_like(self._sharded), _reduce_scatter_into  # on compute
+        if streams is not None and streams.is_cuda:
+            streams.side_waits_compute(streams.post_backward)
+            with streams.on(streams.post_backward):
+                pending = collective(self, out, flat_grad)
+                pending.wait()
+                return _InFlight(pending, streams.record(streams.post_backward), flat_grad)
+        return _InFlight(collective(self, out, flat_grad), None, flat_grad)
+
+    def finish_grad(self, inflight: _InFlight, streams: CommContext | None = None) -> None:
         """Wait for a reduction, average it and accumulate it into the parameters' gradients."""
-        grad = pending.wait()
+        if inflight.event is not None and streams is not None:
+            streams.wait(inflight.event)
+            grad = inflight.pending.output
+        else:
+            grad = inflight.pending.wait()
         if self.shard_world > 1 and self.replicate_world > 1:
             comm.all_reduce_flat(grad, self.replicate_group, async_op=False)
         world = self.shard_world * self.replicate_world

@@ -28,9 +28,11 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
-from flatshard.engine import comm
-from flatshard.engine.config import ShardingStrategy
-from flatshard.engine.handle import FlatParamHandle, HandleState
+from flatshard.engine.config import BackwardPrefetch, ShardingStrategy
+from flatshard.engine.exec_order import ExecOrder
+from flatshard.engine.handle import FlatParamHandle
+from flatshard.engine.limiter import AllGatherLimiter
+from flatshard.engine.streams import CommContext
 
 __all__ = ["RootContext", "TrainingState", "UnitState", "get_unit_state"]
 
@@ -55,12 +57,21 @@ class RootContext:
         self.root = root
         self.states = states  # every unit under the root, root first, in .modules() order
         self.handles = [s.handle for s in states if s.handle is not None]
-        self.pending: deque[tuple[FlatParamHandle, comm.Pending, torch.Tensor]] = deque()
+        device = next((h.device for h in self.handles), torch.device("cpu"))
+        self.streams = CommContext(device)
+        self.limiter = AllGatherLimiter(enabled=bool(root.config.get("limit_all_gathers", True)))
+        self.order: ExecOrder[UnitState] = ExecOrder()
+        self.pending: deque[tuple[FlatParamHandle, Any]] = deque()
         self.callback_queued = False
 
+    def unshard(self, state: UnitState | None) -> None:
+        """Issue ``state``'s all-gather if it is sharded (used for its own gather and for prefetch)."""
+        if state is not None and state.handle is not None:
+            state.handle.unshard(self.streams, self.limiter)
+
     def finish_oldest_reduction(self) -> None:
-        handle, pending, _keepalive = self.pending.popleft()
-        handle.finish_grad(pending)
+        handle, inflight = self.pending.popleft()
+        handle.finish_grad(inflight, self.streams)
 
     def end_of_backward(self) -> None:
         """Autograd's final callback: see step 5 of [Note: unit lifecycle in one iteration]."""
@@ -70,8 +81,8 @@ class RootContext:
             if state.handle is not None:
                 leftover = state.handle.take_flat_grad()
                 if leftover is not None:  # gradient arrived without the post-backward hook (defensive)
-                    state.handle.finish_grad(state.handle.reduce_grad(leftover))
-                state.handle.reshard()
+                    state.handle.finish_grad(state.handle.reduce_grad(leftover, self.streams), self.streams)
+                state.handle.reshard(self.streams, self.limiter)
             state.training_state = TrainingState.IDLE
         self.callback_queued = False
 
@@ -90,6 +101,8 @@ class UnitState:
         self.handle = handle
         self.strategy = strategy
         self.config = config  # the normalised shard() arguments, for nested units and the strategy
+        self.backward_prefetch: BackwardPrefetch | None = config.get("backward_prefetch")
+        self.forward_prefetch: bool = bool(config.get("forward_prefetch", False))
         self.training_state = TrainingState.IDLE
         self.forward_depth = 0
         self.ctx: RootContext | None = None
@@ -133,11 +146,20 @@ class UnitState:
         self.forward_depth += 1
         if self.forward_depth > 1:
             return args, kwargs
+        ctx = self.ctx
+        assert ctx is not None
+        if self.is_root:
+            ctx.streams.refresh_compute()
+            ctx.order.begin_forward()
+        in_backward = ctx.callback_queued  # a forward re-run inside backward (recomputation)
+        if not in_backward:
+            ctx.order.note_pre_forward(self)
         self.training_state = TrainingState.FORWARD
         if self.handle is not None:
-            pending = self.handle.unshard()
-            if pending is not None:
-                pending.wait()
+            ctx.unshard(self)
+            if self.forward_prefetch and not in_backward:
+                ctx.unshard(ctx.order.next_forward(self))  # overlaps this unit's compute
+            self.handle.wait_unshard(ctx.streams)
             self.handle.use_unsharded_views()
         return args, kwargs
 
@@ -145,6 +167,10 @@ class UnitState:
         self.forward_depth -= 1
         if self.forward_depth > 0:
             return output
+        ctx = self.ctx
+        assert ctx is not None
+        if not ctx.callback_queued:
+            ctx.order.note_post_forward(self)
         self.training_state = TrainingState.IDLE
         grad_outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if torch.is_grad_enabled() and grad_outputs:
@@ -154,20 +180,27 @@ class UnitState:
         else:
             keep = False
         if self.handle is not None and not keep:
-            self.handle.reshard()
+            self.handle.reshard(ctx.streams, ctx.limiter)
+        if self.is_root:
+            ctx.order.finish_forward()
         return output
 
     # ------------------------------------------------------------------ backward
     def _pre_backward(self, grad: torch.Tensor) -> None:
         ctx = self.ctx
-        if ctx is not None and not ctx.callback_queued:
+        if ctx is None:
+            return
+        if not ctx.callback_queued:
             ctx.callback_queued = True
             Variable._execution_engine.queue_callback(ctx.end_of_backward)
+        first_time = self.training_state is not TrainingState.BACKWARD
         self.training_state = TrainingState.BACKWARD
-        if self.handle is not None and self.handle.state is HandleState.SHARDED:
-            pending = self.handle.unshard()
-            if pending is not None:
-                pending.wait()
+        if self.handle is not None:
+            ctx.unshard(self)
+        if first_time and self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+            ctx.unshard(ctx.order.next_backward(self))  # overlaps this unit's backward compute
+        if self.handle is not None:
+            self.handle.wait_unshard(ctx.streams)
 
     def _post_backward(self, flat: torch.Tensor) -> None:
         handle, ctx = self.handle, self.ctx
@@ -178,11 +211,13 @@ class UnitState:
         grad = handle.take_flat_grad()
         if grad is None:
             return
-        ctx.pending.append((handle, handle.reduce_grad(grad), grad))
+        ctx.pending.append((handle, handle.reduce_grad(grad, ctx.streams)))
         while len(ctx.pending) > _MAX_PENDING_REDUCTIONS:
             ctx.finish_oldest_reduction()
         if handle.all_require_grad:
-            handle.reshard()
+            handle.reshard(ctx.streams, ctx.limiter)
+        if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            ctx.unshard(ctx.order.next_backward(self))
 
     def remove_hooks(self) -> None:
         for h in self._hook_handles:

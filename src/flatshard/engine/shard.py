@@ -50,7 +50,7 @@ def shard(
     mixed_precision: MixedPrecision | None = None,
     cpu_offload: CPUOffload | bool | None = None,
     limit_all_gathers: bool = True,
-    backward_prefetch: BackwardPrefetch | str | None = None,
+    backward_prefetch: BackwardPrefetch | str | None = BackwardPrefetch.BACKWARD_PRE,
     forward_prefetch: bool = False,
 ) -> nn.Module:
     """Shard ``module`` in place over the ranks of ``process_group`` and return it.
@@ -70,10 +70,14 @@ def shard(
         process_group: the ranks to shard over. Default: all ranks (``None``: the default group).
         device: where shards and compute live. Default: the current CUDA device with NCCL, else CPU.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding. Default: ``False``.
-        mixed_precision, cpu_offload, backward_prefetch, forward_prefetch: later releases; the defaults
-            are accepted.
-        limit_all_gathers: at most two all-gathers in flight (always true here: gathers are not prefetched
-            yet, so one is in flight at a time). Default: ``True``.
+        backward_prefetch: when to issue the next unit's all-gather in backward: ``"BACKWARD_PRE"``
+            (default: before the current unit's gradient computation, more overlap), ``"BACKWARD_POST"``
+            (after it, less memory) or ``None``.
+        forward_prefetch: issue the next unit's all-gather before the current unit's forward compute.
+            Default: ``False``.
+        limit_all_gathers: rate-limit all-gathers so at most two unsharded buffers are pending
+            (see ``flatshard.engine.limiter``; CUDA only, CPU work is synchronous). Default: ``True``.
+        mixed_precision, cpu_offload: later releases; the defaults are accepted.
 
     Returns:
         ``module`` itself.
@@ -92,12 +96,10 @@ def shard(
         raise _not_yet("mixed precision", "mixed_precision=...", "the precision and memory issue")
     if cpu_offload is not None and (cpu_offload is True or getattr(cpu_offload, "offload_params", False)):
         raise _not_yet("CPU offload", "cpu_offload=...", "the precision and memory issue")
-    if normalize_backward_prefetch(backward_prefetch) is not None:
-        raise _not_yet("backward prefetch", f"backward_prefetch={backward_prefetch!r}", "the overlap issue")
-    if forward_prefetch:
-        raise _not_yet("forward prefetch", "forward_prefetch=True", "the overlap issue")
-    if not isinstance(limit_all_gathers, bool):
-        raise TypeError(f"limit_all_gathers must be a bool, got {limit_all_gathers!r}.")
+    prefetch = normalize_backward_prefetch(backward_prefetch)
+    for arg, value in (("limit_all_gathers", limit_all_gathers), ("forward_prefetch", forward_prefetch)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{arg} must be a bool, got {type(value).__name__}: {value!r}.")
     policy = resolve_policy(auto_wrap_policy)
     ignored = _expand_ignored(module, ignored_modules)
     shard_group, replicate_group = resolve_groups(strategy, process_group)
@@ -122,6 +124,9 @@ def shard(
         "process_group": process_group,
         "device": target,
         "ignored_modules": ignored,
+        "backward_prefetch": prefetch,
+        "forward_prefetch": forward_prefetch,
+        "limit_all_gathers": limit_all_gathers,
     }
     _move_buffers(module, target, ignored, sync_group)
     for plan in plans:

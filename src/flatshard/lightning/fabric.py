@@ -64,7 +64,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
         cpu_offload: bool | CPUOffload | None = None,
         mixed_precision: MixedPrecision | None = None,
         limit_all_gathers: bool = True,
-        backward_prefetch: BackwardPrefetch | str | None = None,
+        backward_prefetch: BackwardPrefetch | str | None = "BACKWARD_PRE",
         forward_prefetch: bool = False,
         state_dict_type: Literal["full", "sharded"] = "full",
         sync_module_states: bool = False,

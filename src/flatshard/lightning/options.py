@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from flatshard.engine.config import (
+    BackwardPrefetch,
     CPUOffload,
     ShardingStrategy,
     normalize_backward_prefetch,
@@ -36,6 +37,8 @@ def _later(arg: str, value: Any, feature: str, issue: str) -> NotImplementedErro
 class StrategyOptions:
     sharding_strategy: ShardingStrategy
     auto_wrap_policy: Policy | None
+    backward_prefetch: BackwardPrefetch | None
+    forward_prefetch: bool
     limit_all_gathers: bool
     state_dict_type: str
     sync_module_states: bool
@@ -85,10 +88,6 @@ class StrategyOptions:
             raise _later(
                 "mixed_precision", mixed_precision, "mixed precision", "the precision and memory issue"
             )
-        if normalize_backward_prefetch(backward_prefetch) is not None:
-            raise _later("backward_prefetch", backward_prefetch, "backward prefetch", "the overlap issue")
-        if forward_prefetch:
-            raise _later("forward_prefetch", forward_prefetch, "forward prefetch", "the overlap issue")
         for arg, value in (
             ("limit_all_gathers", limit_all_gathers),
             ("forward_prefetch", forward_prefetch),
@@ -105,6 +104,8 @@ class StrategyOptions:
         return cls(
             sharding_strategy=strategy,
             auto_wrap_policy=resolve_policy(auto_wrap_policy),
+            backward_prefetch=normalize_backward_prefetch(backward_prefetch),
+            forward_prefetch=forward_prefetch,
             limit_all_gathers=limit_all_gathers,
             state_dict_type=state_dict_type,
             sync_module_states=sync_module_states,
@@ -116,6 +117,8 @@ class StrategyOptions:
         return {
             "sharding_strategy": self.sharding_strategy,
             "auto_wrap_policy": self.auto_wrap_policy,
+            "backward_prefetch": self.backward_prefetch,
+            "forward_prefetch": self.forward_prefetch,
             "limit_all_gathers": self.limit_all_gathers,
             "sync_module_states": self.sync_module_states,
             "device": device,

@@ -74,9 +74,11 @@ class FlatShardStrategy(ParallelStrategy):
         activation_checkpointing_policy: later release; must be ``None``.
         cpu_offload: later release; must be falsy.
         mixed_precision: later release; must be ``None``.
-        limit_all_gathers: at most two all-gathers in flight. Default: ``True``.
-        backward_prefetch: later release; must be ``None``.
-        forward_prefetch: later release; must be ``False``.
+        limit_all_gathers: rate-limit all-gathers so at most two unsharded buffers are pending (CUDA).
+            Default: ``True``.
+        backward_prefetch: ``"BACKWARD_PRE"`` (default: gather the next unit before the current unit's
+            gradient computation), ``"BACKWARD_POST"`` (after it: less memory) or ``None``.
+        forward_prefetch: gather the next unit before the current unit's forward. Default: ``False``.
         state_dict_type: ``"full"``: one consolidated file from rank 0 (a plain Lightning checkpoint).
             ``"sharded"`` comes in a later release. Default: ``"full"``.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding. Default: ``False``.
@@ -108,7 +110,7 @@ class FlatShardStrategy(ParallelStrategy):
         cpu_offload: bool | CPUOffload | None = None,
         mixed_precision: MixedPrecision | None = None,
         limit_all_gathers: bool = True,
-        backward_prefetch: BackwardPrefetch | str | None = None,
+        backward_prefetch: BackwardPrefetch | str | None = "BACKWARD_PRE",
         forward_prefetch: bool = False,
         state_dict_type: Literal["full", "sharded"] = "full",
         sync_module_states: bool = False,
