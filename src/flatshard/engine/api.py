@@ -8,8 +8,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from flatshard.engine.optim_state import full_optim_state_dict, load_full_optim_state_dict
-from flatshard.engine.state_dict import full_model_state_dict, load_full_model_state_dict
+from flatshard.engine.optim_state import convert_full_optim_state_dict, full_optim_state_dict
+from flatshard.engine.state_dict import (
+    check_full_model_state_dict,
+    full_model_state_dict,
+    load_full_model_state_dict,
+)
 
 __all__ = ["get_state_dict", "set_state_dict"]
 
@@ -74,13 +78,21 @@ def set_state_dict(
     """
     if not full:
         raise _not_sharded_yet()
+    optimizers: list[torch.optim.Optimizer] = []
+    states: list[Any] = []
+    if optimizer is not None and optimizer_state is not None:
+        optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+        states = [optimizer_state] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer_state)
+        if len(states) != len(optimizers):
+            raise ValueError(f"Got {len(optimizers)} optimizers but {len(states)} optimizer states.")
+    # Validate everything before changing anything.
+    if model_state is not None:
+        check_full_model_state_dict(module, model_state, strict=strict)
+    local = [
+        convert_full_optim_state_dict(module, opt, st, source=f"optimizer state #{i}")
+        for i, (opt, st) in enumerate(zip(optimizers, states))
+    ]
     if model_state is not None:
         load_full_model_state_dict(module, model_state, strict=strict)
-    if optimizer is None or optimizer_state is None:
-        return
-    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-    states = [optimizer_state] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer_state)
-    if len(states) != len(optimizers):
-        raise ValueError(f"Got {len(optimizers)} optimizers but {len(states)} optimizer states.")
-    for i, (opt, st) in enumerate(zip(optimizers, states, strict=False)):
-        load_full_optim_state_dict(module, opt, st, source=f"optimizer state #{i}")
+    for opt, st in zip(optimizers, local):
+        opt.load_state_dict(st)

@@ -21,6 +21,7 @@ gathers into the same storage again before backward, so the saved views see the 
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -151,6 +152,8 @@ class FlatParamHandle:
         self._flat.requires_grad_(self.any_requires_grad)
         self._sharded_grad: torch.Tensor | None = None  # 1-D, like _sharded
         self._pending_unshard: _InFlight | None = None  # a gather issued and not yet waited for
+        self._grad_this_backward = False  # a reduced gradient was accumulated in this backward
+        self._used: list[bool] = [False] * len(self.params)  # per param: gradient flowed into its view
         for p in self.params:
             _PARAM_TO_HANDLE[p] = self
         self.use_sharded_views()
@@ -169,13 +172,23 @@ class FlatParamHandle:
                 module._parameters[name] = p
 
     def use_unsharded_views(self) -> None:
-        """Put views of the gathered flat parameter on the modules (tracked by autograd if grad is on)."""
+        """Put views of the gathered flat parameter on the modules (tracked by autograd if grad is on).
+
+        Each trainable view gets a hook that notes the parameter took part in backward: a parameter no
+        rank used keeps ``grad=None``, as it would without sharding (see :meth:`assign_grads`).
+        """
         tracked = split_flat(self._flat, self.layout)
         untracked = split_flat(self._flat.detach(), self.layout) if not self.all_require_grad else tracked
+        track_use = torch.is_grad_enabled() and self.any_requires_grad
         for i in range(len(self.params)):
             view = tracked[i] if self.requires_grad[i] else untracked[i]
+            if track_use and self.requires_grad[i]:
+                view.register_hook(functools.partial(self._mark_used, i))
             for module, name in self.aliases[i]:
                 module._parameters[name] = view  # type: ignore[assignment]
+
+    def _mark_used(self, i: int, grad: torch.Tensor) -> None:
+        self._used[i] = True
 
     # ------------------------------------------------------------------ gather / free
     def unshard(self, streams: CommContext | None = None, limiter: AllGatherLimiter | None = None) -> None:
@@ -267,24 +280,54 @@ class FlatParamHandle:
         self._accumulate(grad)
 
     def _accumulate(self, grad: torch.Tensor) -> None:
+        """Add a reduced gradient shard into ``_sharded_grad`` (gradients are assigned at end of backward)."""
+        if self._grad_this_backward:  # a second reduction in the same backward (unit ran twice)
+            assert self._sharded_grad is not None
+            self._sharded_grad.add_(grad)
+            return
+        self._grad_this_backward = True
         trainable = [i for i, r in enumerate(self.requires_grad) if r]
         current = self._sharded_grad
         if current is None or all(self.params[i].grad is None for i in trainable):
             self._sharded_grad = grad
-        else:
-            for i in trainable:
-                p, mine = self.params[i], self._shard_piece(current, i)
-                if p.grad is None:
-                    mine.zero_()
-                elif p.grad.data_ptr() != mine.data_ptr() or p.grad.shape != mine.shape:
-                    mine.copy_(p.grad)  # the user replaced the gradient tensor: keep its values
-            current.add_(grad)
-        assert self._sharded_grad is not None
+            return
         for i in trainable:
+            p, mine = self.params[i], self._shard_piece(current, i)
+            if p.grad is None:
+                mine.zero_()
+            elif p.grad.data_ptr() != mine.data_ptr() or p.grad.shape != mine.shape:
+                mine.copy_(p.grad)  # the user replaced the gradient tensor: keep its values
+        current.add_(grad)
+
+    @property
+    def grad_this_backward(self) -> bool:
+        """Whether a reduced gradient was accumulated in the current backward pass."""
+        return self._grad_this_backward
+
+    def used_flags(self) -> list[bool]:
+        """Per trainable parameter: did a gradient flow into it in this backward (on this rank)?"""
+        return [self._used[i] for i, r in enumerate(self.requires_grad) if r]
+
+    def assign_grads(self, used: Sequence[bool]) -> None:
+        """Point ``.grad`` of parameters some rank used (or that already had a gradient) at the shard.
+
+        ``used`` has one flag per trainable parameter, OR-ed over the ranks that share the unit, so every
+        rank decides alike; a parameter nobody used keeps ``grad=None`` and optimizers skip it.
+        """
+        assert self._sharded_grad is not None
+        trainable = [i for i, r in enumerate(self.requires_grad) if r]
+        for i, was_used in zip(trainable, used):
             p = self.params[i]
+            if not was_used and p.grad is None:
+                continue
             view = self._shard_piece(self._sharded_grad, i)
             if p.grad is None or p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
                 p.grad = view
+        self.reset_backward()
+
+    def reset_backward(self) -> None:
+        self._grad_this_backward = False
+        self._used = [False] * len(self.params)
 
     # ------------------------------------------------------------------ inspection
     @property

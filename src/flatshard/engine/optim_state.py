@@ -23,7 +23,7 @@ from flatshard.engine.flat_param import split_flat
 from flatshard.engine.handle import FlatParamHandle, handle_of_param
 from flatshard.engine.state_dict import global_rank, prepare_for_state_io
 
-__all__ = ["full_optim_state_dict", "load_full_optim_state_dict"]
+__all__ = ["convert_full_optim_state_dict", "full_optim_state_dict", "load_full_optim_state_dict"]
 
 
 def _ordered_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -123,13 +123,16 @@ def _unit_order(module: nn.Module, handle: FlatParamHandle) -> int:
     return -1
 
 
-def load_full_optim_state_dict(
+def convert_full_optim_state_dict(
     module: nn.Module,
     optimizer: torch.optim.Optimizer,
     state_dict: Mapping[str, Any],
     source: str = "optimizer state",
-) -> None:
-    """Load a full (plain-format) optimizer state: each rank keeps its slices. Validates first."""
+) -> dict[str, Any]:
+    """Validate a full (plain-format) optimizer state and cut out this rank's slices; changes nothing.
+
+    Returns the state dict to pass to ``optimizer.load_state_dict``.
+    """
     prepare_for_state_io(module, "set_state_dict")
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError(f"{source} is not an optimizer state dict (needs 'state' and 'param_groups').")
@@ -173,7 +176,7 @@ def load_full_optim_state_dict(
         dict(g, params=list(range(start, start + len(g["params"]))))
         for g, start in zip(saved_groups, _starts(sizes_saved), strict=False)
     ]
-    optimizer.load_state_dict({"state": local_state, "param_groups": groups})
+    return {"state": local_state, "param_groups": groups}
 
 
 def _starts(sizes: list[int]) -> list[int]:
@@ -182,3 +185,13 @@ def _starts(sizes: list[int]) -> list[int]:
         out.append(acc)
         acc += n
     return out
+
+
+def load_full_optim_state_dict(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state_dict: Mapping[str, Any],
+    source: str = "optimizer state",
+) -> None:
+    """Load a full (plain-format) optimizer state: each rank keeps its slices. Validates first."""
+    optimizer.load_state_dict(convert_full_optim_state_dict(module, optimizer, state_dict, source))

@@ -24,6 +24,7 @@ from collections import deque
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
@@ -77,14 +78,49 @@ class RootContext:
         """Autograd's final callback: see step 5 of [Note: unit lifecycle in one iteration]."""
         while self.pending:
             self.finish_oldest_reduction()
+        for handle in self.handles:
+            leftover = handle.take_flat_grad()
+            if leftover is not None:  # gradient arrived without the post-backward hook (defensive)
+                handle.finish_grad(handle.reduce_grad(leftover, self.streams), self.streams)
+        reduced = [h for h in self.handles if h.grad_this_backward]
+        for handle, used in zip(reduced, _used_anywhere(reduced)):
+            handle.assign_grads(used)
         for state in self.states:
             if state.handle is not None:
-                leftover = state.handle.take_flat_grad()
-                if leftover is not None:  # gradient arrived without the post-backward hook (defensive)
-                    state.handle.finish_grad(state.handle.reduce_grad(leftover, self.streams), self.streams)
                 state.handle.reshard(self.streams, self.limiter)
             state.training_state = TrainingState.IDLE
         self.callback_queued = False
+
+
+def _used_anywhere(handles: list[FlatParamHandle]) -> list[list[bool]]:
+    """OR each handle's per-parameter "received a gradient" flags over the ranks sharing it.
+
+    One small all-reduce per group (usually one per backward), so ranks agree on which parameters keep
+    ``grad=None``. All ranks run the same units (their forwards all-gather), so ``handles`` agree too.
+    """
+    flags = [h.used_flags() for h in handles]
+    if not handles or not (dist.is_available() and dist.is_initialized()):
+        return flags
+    by_group: dict[tuple[int, int], list[int]] = {}
+    for i, h in enumerate(handles):
+        if h.shard_world > 1 or h.replicate_world > 1:
+            by_group.setdefault((id(h.shard_group), id(h.replicate_group)), []).append(i)
+    for members in by_group.values():
+        first = handles[members[0]]
+        packed = torch.tensor(
+            [int(f) for i in members for f in flags[i]], dtype=torch.int32, device=first.device
+        )
+        for group, size in (
+            (first.shard_group, first.shard_world),
+            (first.replicate_group, first.replicate_world),
+        ):
+            if size > 1 and packed.numel():
+                dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+        values = packed.tolist()
+        for i in members:
+            n = len(flags[i])
+            flags[i], values = [bool(v) for v in values[:n]], values[n:]
+    return flags
 
 
 class UnitState:

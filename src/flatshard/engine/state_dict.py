@@ -20,7 +20,13 @@ from flatshard.engine.handle import FlatParamHandle, handle_of_param
 from flatshard.engine.runtime import TrainingState, UnitState
 from flatshard.engine.shard import unit_states
 
-__all__ = ["full_model_state_dict", "gather_full_flat", "load_full_model_state_dict", "prepare_for_state_io"]
+__all__ = [
+    "check_full_model_state_dict",
+    "full_model_state_dict",
+    "gather_full_flat",
+    "load_full_model_state_dict",
+    "prepare_for_state_io",
+]
 
 
 def global_rank() -> int:
@@ -101,10 +107,10 @@ def _expected_shapes(module: nn.Module) -> dict[str, tuple[torch.Size, FlatParam
     return out
 
 
-def load_full_model_state_dict(
+def check_full_model_state_dict(
     module: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True, source: str = "state_dict"
 ) -> None:
-    """Load a full state dict; each rank copies only its own slices. Validates everything first."""
+    """Raise if ``state_dict`` does not fit ``module`` (keys, shapes); changes nothing."""
     prepare_for_state_io(module, "set_state_dict")
     expected = _expected_shapes(module)
     own_keys = set(module.state_dict(keep_vars=True).keys())
@@ -128,6 +134,14 @@ def load_full_model_state_dict(
             + ". HINT: load a checkpoint of the same model architecture, or pass strict=False to skip missing "
             "and unexpected keys. Nothing was loaded."
         )
+
+
+def load_full_model_state_dict(
+    module: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True, source: str = "state_dict"
+) -> None:
+    """Load a full state dict; each rank copies only its own slices. Validates everything first."""
+    check_full_model_state_dict(module, state_dict, strict=strict, source=source)
+    expected = _expected_shapes(module)
     rest: dict[str, Any] = {}
     with torch.no_grad():
         for key, value in state_dict.items():

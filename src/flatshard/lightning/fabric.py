@@ -32,9 +32,17 @@ from typing_extensions import override
 from flatshard.engine import shard
 from flatshard.engine.clip import clip_grad_norm_params_
 from flatshard.engine.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from flatshard.engine.optim_state import full_optim_state_dict, load_full_optim_state_dict
+from flatshard.engine.optim_state import (
+    convert_full_optim_state_dict,
+    full_optim_state_dict,
+    load_full_optim_state_dict,
+)
 from flatshard.engine.shard import is_sharded
-from flatshard.engine.state_dict import full_model_state_dict, load_full_model_state_dict
+from flatshard.engine.state_dict import (
+    check_full_model_state_dict,
+    full_model_state_dict,
+    load_full_model_state_dict,
+)
 from flatshard.lightning.checkpoint_io import atomic_save, load_checkpoint_file
 from flatshard.lightning.options import StrategyOptions
 from flatshard.lightning.strategy import _move_metrics
@@ -280,15 +288,25 @@ class FlatShardFabricStrategy(ParallelStrategy):
             raise KeyError(
                 f"Checkpoint {path} has no entries {missing}. HINT: pass strict=False to skip them."
             )
+        # Validate every module and optimizer entry before changing anything.
+        local_optim: dict[str, dict[str, Any]] = {}
+        for name, obj in state.items():
+            if name not in checkpoint:
+                continue
+            if isinstance(obj, Module) and is_sharded(obj):
+                check_full_model_state_dict(obj, checkpoint[name], strict=strict, source=f"{path} [{name!r}]")
+            elif isinstance(obj, Optimizer):
+                local_optim[name] = convert_full_optim_state_dict(
+                    self._owner(obj), obj, checkpoint[name], source=f"{path} [{name!r}]"
+                )
         for name, obj in list(state.items()):
             if name not in checkpoint:
                 continue
             if isinstance(obj, Module):
                 self.load_module_state_dict(obj, checkpoint.pop(name), strict=strict)
             elif isinstance(obj, Optimizer):
-                load_full_optim_state_dict(
-                    self._owner(obj), obj, checkpoint.pop(name), source=f"{path} [{name!r}]"
-                )
+                checkpoint.pop(name)
+                obj.load_state_dict(local_optim[name])
             elif hasattr(obj, "load_state_dict") and hasattr(obj, "state_dict"):
                 obj.load_state_dict(checkpoint.pop(name))
             else:

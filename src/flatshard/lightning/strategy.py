@@ -34,9 +34,13 @@ from typing_extensions import override
 
 from flatshard.engine import shard
 from flatshard.engine.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from flatshard.engine.optim_state import full_optim_state_dict, load_full_optim_state_dict
+from flatshard.engine.optim_state import convert_full_optim_state_dict, full_optim_state_dict
 from flatshard.engine.shard import is_sharded
-from flatshard.engine.state_dict import full_model_state_dict, load_full_model_state_dict
+from flatshard.engine.state_dict import (
+    check_full_model_state_dict,
+    full_model_state_dict,
+    load_full_model_state_dict,
+)
 from flatshard.lightning.checkpoint_io import CheckpointError, atomic_save, load_checkpoint_file
 from flatshard.lightning.options import StrategyOptions
 from flatshard.lightning.precision import FlatShardPrecision, to_flatshard_precision
@@ -376,17 +380,19 @@ class FlatShardStrategy(ParallelStrategy):
                 f"Checkpoint {path} holds {len(optimizer_states)} optimizer states but the model configures "
                 f"{len(self.optimizers)} optimizers. HINT: resume with the same configure_optimizers()."
             )
-        try:
-            load_full_model_state_dict(
-                self.model,
-                checkpoint["state_dict"],
-                strict=self.lightning_module.strict_loading,
-                source=str(path),
-            )
-            for i, (opt, state) in enumerate(zip(self.optimizers, optimizer_states or [], strict=False)):
-                load_full_optim_state_dict(self.model, opt, state, source=f"{path} (optimizer #{i})")
+        try:  # validate model and optimizer state completely before changing anything
+            model_state = checkpoint["state_dict"]
+            strict = self.lightning_module.strict_loading
+            check_full_model_state_dict(self.model, model_state, strict=strict, source=str(path))
+            local_optim_states = [
+                convert_full_optim_state_dict(self.model, opt, state, source=f"{path} (optimizer #{i})")
+                for i, (opt, state) in enumerate(zip(self.optimizers, optimizer_states or []))
+            ]
+            load_full_model_state_dict(self.model, model_state, strict=strict, source=str(path))
         except ValueError as err:
             raise CheckpointError(str(err)) from err
+        for opt, local in zip(self.optimizers, local_optim_states):
+            opt.load_state_dict(local)
         return checkpoint
 
     # ------------------------------------------------------------------ teardown / registry

@@ -1,0 +1,306 @@
+"""Errors: bad strategy names and arguments, features of later releases, bad checkpoints.
+
+Construction errors are checked in the pytest process (building a Trainer starts nothing). Checkpoint errors
+need a sharded model, so they run on 2 ranks: each bad ``fit(ckpt_path=...)`` must fail on every rank with an
+error naming the file, leave the sharded weights untouched, and leave the ranks able to resume correctly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+
+import flatshard
+from flatshard.lightning.checkpoint_io import CheckpointError
+from flatshard.testing import spawn
+from flatshard.testing.models import Block
+
+from .lit_common import LitGPT, load_ckpt, make_loader, make_trainer, train_reference
+
+
+def _trainer(**kwargs: Any) -> L.Trainer:
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 2,
+        "logger": False,
+        "enable_progress_bar": False,
+    }
+    options.update(kwargs)
+    return L.Trainer(**options)
+
+
+# ---------------------------------------------------------------- names and arguments
+@pytest.mark.timeout(300)
+def test_registered_names_build_the_flatshard_strategy() -> None:
+    for name in ("flatshard", "flatshard_grad_op", "flatshard_hybrid", "flatshard_offload"):
+        assert name in StrategyRegistry, name
+    full = _trainer(strategy="flatshard").strategy
+    grad_op = _trainer(strategy="flatshard_grad_op").strategy
+    assert isinstance(full, flatshard.FlatShardStrategy) and isinstance(grad_op, flatshard.FlatShardStrategy)
+    assert full.sharding_strategy.name == "FULL_SHARD"
+    assert grad_op.sharding_strategy.name == "SHARD_GRAD_OP"
+
+
+@pytest.mark.timeout(300)
+def test_unknown_strategy_name_is_named_in_the_error() -> None:
+    with pytest.raises(ValueError, match="flatshard_zero9"):
+        _trainer(strategy="flatshard_zero9")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "name, feature", [("flatshard_hybrid", "hybrid sharding"), ("flatshard_offload", "CPU offload")]
+)
+def test_registered_names_of_later_features_refuse_to_build(name: str, feature: str) -> None:
+    with pytest.raises(NotImplementedError, match=feature):
+        _trainer(strategy=name)
+
+
+@pytest.mark.timeout(300)
+def test_unknown_sharding_strategy_lists_the_choices() -> None:
+    with pytest.raises(ValueError, match="FOO") as err:
+        flatshard.FlatShardStrategy(sharding_strategy="FOO")
+    for choice in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        assert choice in str(err.value)
+
+
+@pytest.mark.timeout(300)
+def test_auto_wrap_policy_of_the_wrong_kind() -> None:
+    with pytest.raises(TypeError, match="auto_wrap_policy"):
+        flatshard.FlatShardStrategy(auto_wrap_policy=3.5)
+    with pytest.raises(TypeError, match="auto_wrap_policy"):
+        flatshard.FlatShardStrategy(auto_wrap_policy="Block")  # a bare string is not a set of classes
+    with pytest.raises(ValueError, match="'Block' is not an import path"):
+        flatshard.FlatShardStrategy(auto_wrap_policy={"Block"})
+    with pytest.raises(TypeError, match="auto_wrap_policy"):
+        flatshard.FlatShardStrategy(auto_wrap_policy={Block, 3})
+    # The accepted spellings build.
+    flatshard.FlatShardStrategy(auto_wrap_policy={"flatshard.testing.models.Block"})
+    flatshard.FlatShardStrategy(auto_wrap_policy=1000)
+    flatshard.FlatShardStrategy(
+        auto_wrap_policy=lambda module, recurse, numel: recurse or isinstance(module, Block)
+    )
+
+
+LATER_FEATURES = [
+    (
+        {"mixed_precision": flatshard.MixedPrecision(param_dtype=torch.bfloat16)},
+        "mixed_precision.*mixed precision",
+    ),
+    ({"cpu_offload": True}, "cpu_offload.*CPU offload"),
+    ({"cpu_offload": flatshard.CPUOffload(offload_params=True)}, "cpu_offload.*CPU offload"),
+    (
+        {"activation_checkpointing_policy": {Block}},
+        "activation_checkpointing_policy.*activation checkpointing",
+    ),
+    ({"state_dict_type": "sharded"}, "state_dict_type.*sharded checkpoints"),
+    ({"shard_group_size": 2}, "shard_group_size.*hybrid"),
+    ({"process_group": object()}, "process_group.*hybrid"),
+    ({"device_mesh": (1, 2)}, "device_mesh.*hybrid"),
+    ({"sharding_strategy": "HYBRID_SHARD"}, "sharding_strategy.*hybrid sharding"),
+    ({"sharding_strategy": "hybrid_shard_zero2"}, "sharding_strategy.*hybrid sharding"),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "kwargs, match",
+    LATER_FEATURES,
+    ids=[str(next(iter(k))) + f"-{i}" for i, (k, _) in enumerate(LATER_FEATURES)],
+)
+def test_later_features_raise_not_implemented_naming_the_feature(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(NotImplementedError, match=match):
+        flatshard.FlatShardStrategy(**kwargs)
+
+
+@pytest.mark.timeout(300)
+def test_prefetch_options_are_validated_and_passed_to_the_engine() -> None:
+    strategy = flatshard.FlatShardStrategy(backward_prefetch="backward_post", forward_prefetch=True)
+    kwargs = strategy.options.shard_kwargs(torch.device("cpu"))
+    assert kwargs["backward_prefetch"] is flatshard.BackwardPrefetch.BACKWARD_POST
+    assert kwargs["forward_prefetch"] is True
+    assert flatshard.FlatShardStrategy().options.backward_prefetch is flatshard.BackwardPrefetch.BACKWARD_PRE
+    with pytest.raises(ValueError, match="BACKWARD_PRE"):
+        flatshard.FlatShardStrategy(backward_prefetch="SIDEWAYS")
+    with pytest.raises(TypeError, match="forward_prefetch"):
+        flatshard.FlatShardStrategy(forward_prefetch="yes")
+
+
+@pytest.mark.timeout(300)
+def test_defaults_of_later_features_are_accepted() -> None:
+    strategy = flatshard.FlatShardStrategy(
+        mixed_precision=None,
+        cpu_offload=False,
+        activation_checkpointing_policy=None,
+        backward_prefetch=None,
+        forward_prefetch=False,
+        state_dict_type="full",
+    )
+    assert strategy.sharding_strategy.name == "FULL_SHARD"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "16-true", "64-true"])
+@pytest.mark.parametrize("strategy", ["flatshard", "object"])
+def test_precision_other_than_32_true_is_not_implemented(precision: str, strategy: str) -> None:
+    chosen: Any = flatshard.FlatShardStrategy() if strategy == "object" else strategy
+    with pytest.raises(NotImplementedError, match="precision"):
+        _trainer(strategy=chosen, precision=precision)
+    assert isinstance(
+        _trainer(strategy="flatshard", precision="32-true").strategy, flatshard.FlatShardStrategy
+    )
+
+
+@pytest.mark.timeout(300)
+def test_empty_init_is_not_implemented() -> None:
+    trainer = _trainer(strategy="flatshard")
+    with pytest.raises(NotImplementedError, match="empty_init"), trainer.init_module(empty_init=True):
+        pass
+
+
+# ---------------------------------------------------------------- bad checkpoints, on 2 ranks
+class TwoGroupsGPT(LitGPT):
+    """Same model, but the optimizer has two parameter groups (LitGPT's has one)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        named = list(self.named_parameters())
+        decay = [p for n, p in named if not n.endswith("bias")]
+        no_decay = [p for n, p in named if n.endswith("bias")]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=self.lr)
+
+
+def _bad_resumes(rank: int, world: int, cases: list[tuple[str, str]], valid: str) -> dict[str, Any]:
+    initial = {k: v.clone() for k, v in LitGPT().state_dict().items()}
+    out: dict[str, Any] = {}
+    for name, path in cases:
+        model = LitGPT()
+        trainer = make_trainer(world, "flatshard", max_epochs=1)
+        record: dict[str, Any] = {"raised": None}
+        try:
+            trainer.fit(model, make_loader(1, 2 * world, world), ckpt_path=path)
+        except Exception as err:
+            record.update(
+                raised=type(err).__name__,
+                message=str(err),
+                is_checkpoint_error=isinstance(err, CheckpointError),
+            )
+        record["sharded"] = flatshard.is_sharded(model)
+        full, _ = flatshard.get_state_dict(model, rank0_only=False)
+        record["changed"] = sorted(k for k in initial if not torch.equal(full[k], initial[k]))
+        record["keys_match"] = sorted(full) == sorted(initial)
+        out[name] = record
+    # The ranks are still usable: a valid resume right after the failures works.
+    trainer = make_trainer(world, "flatshard", max_epochs=2)
+    model = LitGPT()
+    trainer.fit(model, make_loader(1, 2 * world, world), ckpt_path=valid)
+    full, _ = flatshard.get_state_dict(model, rank0_only=False)
+    out["valid"] = {"global_step": trainer.global_step, "state": full}
+    return out
+
+
+@pytest.fixture(scope="module")
+def bad_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    directory = tmp_path_factory.mktemp("bad")
+    # Another model: vocab 41 instead of 37 and other weights; the blocks and "steps" have the right shapes,
+    # so a loader that copied key by key before validating would change them.
+    other, _, _ = train_reference(1, 4, seed=1, vocab=41)
+    other.save_checkpoint(directory / "other_model.ckpt")
+    valid, _, _ = train_reference(1, 4)
+    valid.save_checkpoint(directory / "valid.ckpt")
+    two_groups = make_trainer(1, "auto", max_epochs=1)
+    two_groups.fit(TwoGroupsGPT(seed=1), make_loader(1, 4, 1))
+    two_groups.save_checkpoint(directory / "two_groups.ckpt")
+    data = (directory / "valid.ckpt").read_bytes()
+    (directory / "truncated.ckpt").write_bytes(data[: len(data) // 2])
+    paths = {
+        "other_model": directory / "other_model.ckpt",
+        "truncated": directory / "truncated.ckpt",
+        "missing": directory / "no_such.ckpt",
+        "optimizer_groups": directory / "two_groups.ckpt",
+    }
+    ranks = spawn(_bad_resumes, 2, [(k, str(v)) for k, v in paths.items()], str(directory / "valid.ckpt"))
+    return {"paths": paths, "ranks": ranks, "valid": load_ckpt(directory / "valid.ckpt")}
+
+
+def _records(bad_checkpoints: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    records = [r[name] for r in bad_checkpoints["ranks"]]
+    for record in records:
+        assert record["raised"] is not None, f"fit(ckpt_path=<{name}>) did not raise"
+        assert record["sharded"] and record["keys_match"]
+        assert record["changed"] == [], f"{name}: a failed load changed {record['changed']}"
+    return records
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_of_another_model_names_file_key_and_shapes(bad_checkpoints: dict[str, Any]) -> None:
+    path = str(bad_checkpoints["paths"]["other_model"])
+    for record in _records(bad_checkpoints, "other_model"):
+        assert record["is_checkpoint_error"], record
+        message = record["message"]
+        assert path in message, message
+        assert "model.wte.weight" in message and "(41, 13)" in message and "(37, 13)" in message, message
+
+
+@pytest.mark.timeout(300)
+def test_truncated_checkpoint_is_a_checkpoint_error_naming_the_file(bad_checkpoints: dict[str, Any]) -> None:
+    path = str(bad_checkpoints["paths"]["truncated"])
+    for record in _records(bad_checkpoints, "truncated"):
+        assert record["is_checkpoint_error"], record
+        assert path in record["message"], record["message"]
+
+
+@pytest.mark.timeout(300)
+def test_missing_checkpoint_is_file_not_found(bad_checkpoints: dict[str, Any]) -> None:
+    path = str(bad_checkpoints["paths"]["missing"])
+    for record in _records(bad_checkpoints, "missing"):
+        assert record["raised"] == "FileNotFoundError", record
+        assert path in record["message"], record["message"]
+
+
+@pytest.mark.timeout(300)
+def test_optimizer_state_that_does_not_fit_loads_nothing(bad_checkpoints: dict[str, Any]) -> None:
+    """Same model, optimizer saved with two param groups, resumed with one: a CheckpointError naming the file
+    that says "Nothing was loaded" -- then the model must still hold its own weights, not the checkpoint's."""
+    path = str(bad_checkpoints["paths"]["optimizer_groups"])
+    records = [r["optimizer_groups"] for r in bad_checkpoints["ranks"]]
+    for record in records:
+        assert record["is_checkpoint_error"], record
+        assert path in record["message"] and "param groups" in record["message"], record["message"]
+    for record in records:
+        assert record["changed"] == [], (
+            f"the optimizer state was refused ({record['message']!r}) but the model was already overwritten "
+            f"by the checkpoint: changed {record['changed'][:5]}..."
+        )
+
+
+@pytest.mark.timeout(300)
+def test_ranks_resume_correctly_after_the_failures(bad_checkpoints: dict[str, Any]) -> None:
+    """The valid checkpoint (1 step of batch 4) resumed on 2 ranks for 1 more step, after the errors above."""
+    for record in (r["valid"] for r in bad_checkpoints["ranks"]):
+        assert record["global_step"] == 2
+        # Trained one step beyond the checkpoint: every parameter moved, the buffer counted the step.
+        saved = bad_checkpoints["valid"]["state_dict"]
+        assert int(record["state"]["model.steps"]) == int(saved["model.steps"]) + 1 == 2
+        moved = [k for k in saved if k != "model.steps" and not torch.allclose(record["state"][k], saved[k])]
+        assert len(moved) == len(saved) - 1
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_error_is_a_value_error(tmp_path: Path) -> None:
+    assert issubclass(CheckpointError, ValueError)
+    empty = tmp_path / "empty.ckpt"
+    empty.write_bytes(b"")
+    from flatshard.lightning.checkpoint_io import load_checkpoint_file
+
+    with pytest.raises(CheckpointError, match=re.escape(str(empty))):
+        load_checkpoint_file(empty)
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "nope.ckpt"))):
+        load_checkpoint_file(os.fspath(tmp_path / "nope.ckpt"))
