@@ -32,8 +32,11 @@ def _run(rank: int, world: int, strategy: str) -> float:
         opt.step()
         opt.zero_grad()
     full, _ = flatshard.get_state_dict(model, rank0_only=False)
-    return max((full[k] - v.cpu()).abs().max().item() for k, v in reference.state_dict().items()
-               if v.is_floating_point())
+    return max(
+        (full[k] - v.cpu()).abs().max().item()
+        for k, v in reference.state_dict().items()
+        if v.is_floating_point()
+    )
 
 
 @pytest.mark.timeout(600)
