@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 
 STATE_ATTR = "_flatshard_state"
 
-# Reductions allowed in flight before the oldest is finished (bounds gradient buffers alive at once).
-_MAX_PENDING_REDUCTIONS = 2
+# Gradient reductions allowed in flight before the oldest is finished: one overlaps the next unit's
+# backward; each in flight keeps a full-size unsharded gradient alive, so more would only add memory.
+_MAX_PENDING_REDUCTIONS = 1
 
 
 class TrainingState(enum.Enum):

@@ -1,0 +1,892 @@
+"""Step time and memory of flatshard against torch FSDP1, torch FSDP2 and DDP, in one run.
+
+Every contender trains the same GPT (``examples/gpt/model.py``) from the same seed on the same random
+token batches, on ``--world-size`` ranks (default 2), each contender in freshly spawned processes with a
+fresh process group (gloo on CPU, NCCL with one GPU per rank on CUDA). Per contender it records the
+median wall time of a training step (forward + loss + backward + ``AdamW.step()`` + ``zero_grad()``,
+measured with ``time.perf_counter`` after a barrier), tokens/s, peak RSS per rank during training (and on
+CUDA the allocator's peaks), the parameter count and the losses, so the reader can check that every
+contender trained the same model.
+
+    python benchmarks/step_time.py --preset cpu-small
+    python benchmarks/step_time.py --preset cpu-large --steps 5 --warmup 2
+    python benchmarks/step_time.py --preset cuda-1b            # needs 2 GPUs
+
+Writes ``docs/bench/step_time_<preset>.json`` and ``.png`` (see ``benchmarks/README.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+GPT_DIR = REPO / "examples" / "gpt"
+if str(GPT_DIR) not in sys.path:  # module level, so spawned workers can import the model too
+    sys.path.insert(0, str(GPT_DIR))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # vocab 8192 rather than GPT-2's 50257 keeps the small preset dominated by the transformer blocks.
+    "cpu-small": dict(
+        d_model=512, n_layer=8, n_head=8, batch_size=8, seq_len=128, vocab_size=8192, device="cpu"
+    ),
+    "cpu-large": dict(
+        d_model=1024, n_layer=12, n_head=16, batch_size=1, seq_len=64, vocab_size=50257, device="cpu"
+    ),
+    "cuda-1b": dict(
+        d_model=2048, n_layer=18, n_head=16, batch_size=4, seq_len=1024, vocab_size=50257, device="cuda"
+    ),
+}
+MODEL_FIELDS = ("d_model", "n_layer", "n_head", "batch_size", "seq_len", "vocab_size")
+
+FLATSHARD_CONTENDERS = ("flatshard", "flatshard_grad_op")
+ALL_CONTENDERS = (
+    "flatshard",
+    "fsdp1",
+    "fsdp2",
+    "ddp",
+    "flatshard_grad_op",
+    "fsdp1_grad_op",
+    "fsdp2_grad_op",
+)
+DEFAULT_CONTENDERS = ("flatshard", "fsdp1", "fsdp2", "ddp", "flatshard_grad_op")
+DESCRIPTIONS = {
+    "flatshard": "flatshard.shard FULL_SHARD, auto_wrap_policy={Block}",
+    "flatshard_grad_op": "flatshard.shard SHARD_GRAD_OP, auto_wrap_policy={Block}",
+    "fsdp1": "torch FSDP1 FULL_SHARD, ModuleWrapPolicy({Block}), use_orig_params=True",
+    "fsdp1_grad_op": "torch FSDP1 SHARD_GRAD_OP, ModuleWrapPolicy({Block}), use_orig_params=True",
+    "fsdp2": "torch FSDP2 fully_shard per Block then root (reshard_after_forward=True)",
+    "fsdp2_grad_op": "torch FSDP2 fully_shard per Block then root, reshard_after_forward=False",
+    "ddp": "torch DistributedDataParallel (full replica per rank)",
+}
+MIB = 1024 * 1024
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Helpers used inside the ranks
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _proc_status_kib(*keys: str) -> dict[str, int | None]:
+    out: dict[str, int | None] = dict.fromkeys(keys)
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in out:
+                    out[name] = int(rest.split()[0])
+    except OSError:
+        pass
+    return out
+
+
+def _mib(kib: int | None) -> float | None:
+    return None if kib is None else round(kib / 1024, 1)
+
+
+def _reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (``echo 5 > /proc/self/clear_refs``); False if not permitted."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    st = _proc_status_kib("VmHWM", "VmRSS")
+    # Verify: right after a reset the high-water mark is (about) the current RSS.
+    return st["VmHWM"] is not None and st["VmRSS"] is not None and st["VmHWM"] <= st["VmRSS"] + 1024
+
+
+def _build_model(cfg: dict[str, Any]) -> torch.nn.Module:
+    from model import GPT, GPTConfig  # examples/gpt/model.py
+
+    torch.manual_seed(cfg["seed"])  # identical init on every rank and for every contender
+    config = GPTConfig(
+        vocab_size=cfg["vocab_size"],
+        block_size=cfg["seq_len"],
+        n_layer=cfg["n_layer"],
+        n_head=cfg["n_head"],
+        d_model=cfg["d_model"],
+        dropout=0.0,
+        tie_weights=True,
+        bias=True,
+    )
+    return GPT(config)
+
+
+def _make_batches(cfg: dict[str, Any], rank: int, world_size: int, device: torch.device) -> list[Any]:
+    """One global batch per step from a fixed seed; this rank takes its slice (same for all contenders)."""
+    n = cfg["warmup"] + cfg["steps"]
+    b = cfg["batch_size"]
+    out = []
+    for step in range(n):
+        g = torch.Generator().manual_seed(cfg["seed"] * 100_003 + 1000 + step)
+        tokens = torch.randint(0, cfg["vocab_size"], (b * world_size, cfg["seq_len"] + 1), generator=g)
+        mine = tokens[rank * b : (rank + 1) * b]
+        out.append((mine[:, :-1].contiguous().to(device), mine[:, 1:].contiguous().to(device)))
+    return out
+
+
+def _local_numel(model: torch.nn.Module) -> int:
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p  # FSDP2 DTensor -> this rank's shard
+        total += local.numel()
+    return total
+
+
+def _mp_dtypes(cfg: dict[str, Any]) -> tuple[torch.dtype, torch.dtype]:
+    return torch.bfloat16, getattr(torch, cfg["reduce_dtype"])
+
+
+def _wrap_flatshard(
+    model: torch.nn.Module, cfg: dict[str, Any], device: torch.device, strategy: str, info: dict[str, Any]
+) -> torch.nn.Module:
+    """Shard with flatshard. Options this flatshard does not implement yet (``NotImplementedError``) are
+    dropped one at a time when they were asked for in ``auto`` mode (or are the bf16 mixed precision):
+    first the one the error message names, else mixed precision, forward prefetch, backward prefetch."""
+    from model import Block
+
+    import flatshard
+
+    bwd = cfg["flatshard_backward_prefetch"]
+    fwd = cfg["flatshard_forward_prefetch"]
+    opts: dict[str, Any] = {
+        "mixed_precision": None,
+        "forward_prefetch": fwd in ("on", "auto"),
+        "backward_prefetch": {"auto": "BACKWARD_PRE", "none": None}.get(bwd, bwd),
+    }
+    defaults: dict[str, Any] = {"mixed_precision": None, "forward_prefetch": False, "backward_prefetch": None}
+    droppable = []
+    if cfg["precision"] == "bf16-mixed":
+        param_dtype, reduce_dtype = _mp_dtypes(cfg)
+        opts["mixed_precision"] = flatshard.MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        droppable.append("mixed_precision")  # then flatshard runs in fp32, and the output says so
+    if fwd == "auto":
+        droppable.append("forward_prefetch")
+    if bwd == "auto":
+        droppable.append("backward_prefetch")
+    fallbacks: list[str] = []
+    shapes = [p.shape for p in model.parameters()]
+    while True:
+        touched = [p.shape for p in model.parameters()] != shapes or any(
+            flatshard.is_sharded(m) for m in model.modules()
+        )
+        if touched:  # a failed shard() changed the module: rebuild it from the seed
+            model = _build_model(cfg)
+        try:
+            flatshard.shard(
+                model,
+                sharding_strategy=strategy,
+                auto_wrap_policy={Block},
+                limit_all_gathers=True,
+                device=device,
+                **opts,
+            )
+            break
+        except NotImplementedError as err:
+            candidates = [k for k in droppable if opts[k] != defaults[k]]
+            if not candidates:
+                raise
+            named = [k for k in candidates if k in str(err)]
+            drop = (named or candidates)[0]
+            fallbacks.append(
+                f"{drop}={opts[drop]!r} -> {defaults[drop]!r} (NotImplementedError: {str(err).splitlines()[0]})"
+            )
+            opts[drop] = defaults[drop]
+    info["flatshard_options"] = {
+        "backward_prefetch": opts["backward_prefetch"],
+        "forward_prefetch": opts["forward_prefetch"],
+        "mixed_precision": None if opts["mixed_precision"] is None else repr(opts["mixed_precision"]),
+        "limit_all_gathers": True,
+        "requested": {"backward_prefetch": bwd, "forward_prefetch": fwd, "precision": cfg["precision"]},
+        "fallbacks": fallbacks,
+    }
+    if cfg["precision"] == "bf16-mixed" and opts["mixed_precision"] is None:
+        info["precision_used"] = "fp32 (flatshard mixed precision not available: see fallbacks)"
+    return model
+
+
+def _wrap(
+    name: str, model: torch.nn.Module, cfg: dict[str, Any], rank: int, device: torch.device, info: dict
+) -> torch.nn.Module:
+    from model import Block
+
+    mixed = cfg["precision"] == "bf16-mixed"
+    if name in FLATSHARD_CONTENDERS:
+        strategy = "FULL_SHARD" if name == "flatshard" else "SHARD_GRAD_OP"
+        return _wrap_flatshard(model, cfg, device, strategy, info)
+    if name in ("fsdp1", "fsdp1_grad_op"):
+        from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp import MixedPrecision as FSDPMixedPrecision
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        mp = None
+        if mixed:
+            param_dtype, reduce_dtype = _mp_dtypes(cfg)
+            mp = FSDPMixedPrecision(
+                param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=param_dtype
+            )
+        info["fsdp1_options"] = {
+            "backward_prefetch": "BACKWARD_PRE (FSDP1 default)",
+            "forward_prefetch": False,
+            "limit_all_gathers": True,
+            "device_id": str(device),
+        }
+        return FullyShardedDataParallel(
+            model,
+            sharding_strategy=ShardingStrategy.FULL_SHARD
+            if name == "fsdp1"
+            else ShardingStrategy.SHARD_GRAD_OP,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            use_orig_params=True,
+            # torch 2.13 refuses device_id=None for a CPU module ("FSDP needs a non-CPU accelerator
+            # device"); an explicit CPU device selects FSDP1's CPU/gloo path.
+            device_id=device,
+            mixed_precision=mp,
+            backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+            limit_all_gathers=True,
+        )
+    if name in ("fsdp2", "fsdp2_grad_op"):
+        try:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": name == "fsdp2"}
+        if mixed:
+            param_dtype, reduce_dtype = _mp_dtypes(cfg)
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        for block in model.blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
+    if name == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        if device.type == "cuda":
+            return DistributedDataParallel(model.to(device), device_ids=[rank])
+        return DistributedDataParallel(model)
+    raise ValueError(f"unknown contender {name!r}")
+
+
+def _barrier(device: torch.device) -> None:
+    if device.type == "cuda":
+        dist.barrier(device_ids=[device.index])
+        torch.cuda.synchronize(device)
+    else:
+        dist.barrier()
+
+
+def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Runs on every rank of a fresh process group; returns this rank's measurements."""
+    torch.set_num_threads(cfg["threads"])
+    device = torch.device("cpu")
+    if cfg["device"] == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    info: dict[str, Any] = {"rank": rank, "precision_used": cfg["precision"]}
+    t_setup = time.perf_counter()
+
+    model = _build_model(cfg)
+    info["num_params"] = sum(p.numel() for p in model.parameters())  # tied weight counted once
+    model = _wrap(name, model, cfg, rank, device, info)
+    info["local_param_numel"] = _local_numel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batches = _make_batches(cfg, rank, world_size, device)
+    mixed = info["precision_used"] == "bf16-mixed"
+    autocast = (
+        (lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16))
+        if mixed
+        else contextlib.nullcontext
+    )
+    vocab = cfg["vocab_size"]
+
+    def step(idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        with autocast():
+            logits = model(idx)
+            loss = F.cross_entropy(logits.float().view(-1, vocab), tgt.view(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    gc.collect()
+    _barrier(device)
+    info["setup_s"] = time.perf_counter() - t_setup
+    st = _proc_status_kib("VmHWM", "VmRSS")
+    info["rss_after_setup_mib"] = _mib(st["VmRSS"])
+    info["hwm_after_setup_mib"] = _mib(st["VmHWM"])  # process-lifetime peak: includes building the model
+    info["hwm_reset"] = _reset_peak_rss()
+    if device.type == "cuda":
+        info["cuda_allocated_after_setup_mib"] = torch.cuda.memory_allocated(device) / MIB
+        torch.cuda.reset_peak_memory_stats(device)
+
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    losses: list[torch.Tensor] = []
+    times: list[float] = []
+    for i, (idx, tgt) in enumerate(batches):
+        _barrier(device)
+        t0 = time.perf_counter()
+        loss = step(idx, tgt)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        losses.append(loss)
+        if i >= cfg["warmup"]:
+            times.append(dt)
+
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    # CPU time and page faults of this rank over warmup + timed steps: a high system time / minor-fault
+    # count means allocation churn (large tensors mmap'd and unmapped every step), not computation.
+    info["train_user_s"] = round(ru1.ru_utime - ru0.ru_utime, 3)
+    info["train_sys_s"] = round(ru1.ru_stime - ru0.ru_stime, 3)
+    info["train_minor_faults"] = ru1.ru_minflt - ru0.ru_minflt
+    st = _proc_status_kib("VmHWM", "VmRSS")
+    info["peak_rss_train_mib"] = _mib(st["VmHWM"])  # training peak if hwm_reset, else process peak
+    info["rss_after_train_mib"] = _mib(st["VmRSS"])
+    if st["VmHWM"] is not None and info["rss_after_setup_mib"] is not None:
+        info["peak_rss_increase_mib"] = round(st["VmHWM"] / 1024 - info["rss_after_setup_mib"], 1)
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        info["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated(device) / MIB
+        info["cuda_max_reserved_mib"] = torch.cuda.max_memory_reserved(device) / MIB
+        info["cuda_num_alloc_retries"] = int(stats.get("num_alloc_retries", 0))
+
+    # Global mean loss per step (outside the timed region).
+    local = torch.stack(losses).float()
+    dist.all_reduce(local)
+    info["losses"] = [round(v / world_size, 6) for v in local.cpu().tolist()]
+    info["step_times_s"] = times
+    return info
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Driver
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str, timeout: float) -> list[Any]:
+    from flatshard.testing import spawn
+
+    return spawn(fn, world_size, *args, backend=backend, timeout=timeout)
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def summarize(name: str, runs: list[list[dict[str, Any]]], cfg: dict[str, Any], world_size: int) -> dict:
+    """Aggregate the per-rank results of one or more runs (repeats) of a contender."""
+    tokens_per_step = cfg["batch_size"] * world_size * cfg["seq_len"]
+    rank0_medians = [_median(r[0]["step_times_s"]) for r in runs]
+    # Per step, the slowest rank sets the pace; median of that over steps.
+    slowest = [_median([max(ts) for ts in zip(*[rank["step_times_s"] for rank in r])]) or 0.0 for r in runs]
+    med = statistics.median([m for m in rank0_medians if m is not None])
+    last = runs[-1]
+    res: dict[str, Any] = {
+        "status": "ok",
+        "description": DESCRIPTIONS[name],
+        "num_params": last[0]["num_params"],
+        "local_param_numel_per_rank": [r["local_param_numel"] for r in last],
+        "median_step_s": med,
+        "median_step_s_per_run": rank0_medians,
+        "median_step_s_per_rank": [_median(r["step_times_s"]) for r in last],
+        "max_over_ranks_median_step_s": max(_median(r["step_times_s"]) or 0.0 for r in last),
+        "median_of_slowest_rank_step_s": statistics.median(slowest),
+        "min_step_s": min(min(r[0]["step_times_s"]) for r in runs),
+        "tokens_per_s": tokens_per_step / med if med else None,
+        "step_times_s_per_rank": [[round(t, 5) for t in r["step_times_s"]] for r in last],
+        "setup_s": max(r["setup_s"] for r in last),
+        "peak_rss_train_mib_per_rank": [r["peak_rss_train_mib"] for r in last],
+        "peak_rss_increase_mib_per_rank": [r.get("peak_rss_increase_mib") for r in last],
+        "rss_after_setup_mib_per_rank": [r["rss_after_setup_mib"] for r in last],
+        "hwm_after_setup_mib_per_rank": [r["hwm_after_setup_mib"] for r in last],
+        "rss_after_train_mib_per_rank": [r["rss_after_train_mib"] for r in last],
+        "hwm_reset": all(r["hwm_reset"] for r in last),
+        "train_user_s_per_rank": [r["train_user_s"] for r in last],
+        "train_sys_s_per_rank": [r["train_sys_s"] for r in last],
+        "train_minor_faults_per_rank": [r["train_minor_faults"] for r in last],
+        "losses": last[0]["losses"],
+        "first_loss": last[0]["losses"][0],
+        "final_loss": last[0]["losses"][-1],
+        "precision_used": last[0]["precision_used"],
+    }
+    for key in ("flatshard_options", "fsdp1_options"):
+        if key in last[0]:
+            res[key] = last[0][key]
+    if cfg["device"] == "cuda":
+        for key in ("cuda_max_allocated_mib", "cuda_max_reserved_mib", "cuda_num_alloc_retries"):
+            res[key + "_per_rank"] = [r[key] for r in last]
+    return res
+
+
+def compute_ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """flatshard variant / peer for step time and peak memory (< 1: flatshard is faster / smaller)."""
+    ratios: dict[str, dict[str, Any]] = {}
+    ok = {k: v for k, v in results.items() if v.get("status") == "ok"}
+    for fs in FLATSHARD_CONTENDERS:
+        if fs not in ok:
+            continue
+        for peer, r in ok.items():
+            if peer == fs:
+                continue
+            entry: dict[str, Any] = {
+                "step_time_ratio": ok[fs]["median_step_s"] / r["median_step_s"],
+                "min_step_time_ratio": ok[fs]["min_step_s"] / r["min_step_s"],
+                "peak_rss_ratio": max(ok[fs]["peak_rss_train_mib_per_rank"])
+                / max(r["peak_rss_train_mib_per_rank"]),
+                "peak_rss_increase_ratio": _safe_ratio(
+                    max(ok[fs]["peak_rss_increase_mib_per_rank"]), max(r["peak_rss_increase_mib_per_rank"])
+                ),
+            }
+            if "cuda_max_allocated_mib_per_rank" in r:
+                entry["cuda_max_allocated_ratio"] = max(ok[fs]["cuda_max_allocated_mib_per_rank"]) / max(
+                    r["cuda_max_allocated_mib_per_rank"]
+                )
+            ratios[f"{fs}/{peer}"] = entry
+    return ratios
+
+
+def _safe_ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b <= 0:
+        return None
+    return a / b
+
+
+def _fmt(v: Any, spec: str = ".3f") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and math.isnan(v):
+        return "nan"
+    return format(v, spec)
+
+
+def format_table(results: dict[str, dict[str, Any]], ratios: dict[str, dict[str, Any]], cuda: bool) -> str:
+    ref = "flatshard" if results.get("flatshard", {}).get("status") == "ok" else None
+    headers = [
+        "contender",
+        "median step s",
+        "min step s",
+        "slowest-rank s",
+        "tokens/s",
+        "sys/user CPU s r0",
+        "peak RSS MiB/rank",
+        "train ΔRSS MiB/rank",
+    ]
+    if cuda:
+        headers += ["max alloc MiB/rank", "alloc retries"]
+    headers += ["final loss", "flatshard/this time", "flatshard/this mem"]
+    rows = []
+    for name, r in results.items():
+        if r.get("status") != "ok":
+            err = r.get("error", "").strip().splitlines()
+            rows.append([name, "FAILED: " + (err[-1] if err else "?")[:90]])
+            continue
+        row = [
+            name,
+            _fmt(r["median_step_s"], ".4f"),
+            _fmt(r["min_step_s"], ".4f"),
+            _fmt(r["median_of_slowest_rank_step_s"], ".4f"),
+            _fmt(r["tokens_per_s"], ".0f"),
+            f"{r['train_sys_s_per_rank'][0]:.1f} / {r['train_user_s_per_rank'][0]:.1f}",
+            " / ".join(_fmt(x, ".0f") for x in r["peak_rss_train_mib_per_rank"]),
+            " / ".join(_fmt(x, ".0f") for x in r["peak_rss_increase_mib_per_rank"]),
+        ]
+        if cuda:
+            row += [
+                " / ".join(_fmt(x, ".0f") for x in r["cuda_max_allocated_mib_per_rank"]),
+                " / ".join(str(x) for x in r["cuda_num_alloc_retries_per_rank"]),
+            ]
+        rat = ratios.get(f"{ref}/{name}") if ref else None
+        row += [
+            _fmt(r["final_loss"], ".5f"),
+            "1 (ref)" if name == ref else _fmt(rat and rat["step_time_ratio"], ".2f"),
+            "1 (ref)" if name == ref else _fmt(rat and rat["peak_rss_ratio"], ".2f"),
+        ]
+        rows.append(row)
+    widths = [max([len(h), *(len(r[i]) for r in rows if len(r) > 2)]) for i, h in enumerate(headers)]
+    lines = [
+        "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |",
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+    ]
+    for r in rows:
+        if len(r) == 2:  # failed contender
+            lines.append(f"| {r[0].ljust(widths[0])} | {r[1]} |")
+        else:
+            lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+    return "\n".join(lines)
+
+
+def format_ratios(ratios: dict[str, dict[str, Any]]) -> str:
+    lines = []
+    for key, r in ratios.items():
+        extra = ""
+        if "cuda_max_allocated_ratio" in r:
+            extra = f", max_allocated x{r['cuda_max_allocated_ratio']:.2f}"
+        lines.append(
+            f"  {key:<32} step time x{r['step_time_ratio']:.2f} (min x{r['min_step_time_ratio']:.2f}), "
+            f"peak RSS x{r['peak_rss_ratio']:.2f}, "
+            f"training RSS increase x{_fmt(r['peak_rss_increase_ratio'], '.2f')}{extra}"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict[str, Any]], cfg: dict[str, Any], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = {k: v for k, v in results.items() if v.get("status") == "ok"}
+    names = list(ok)
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(max(9, 2.2 * len(names) + 4), 4.5))
+    x = list(range(len(names)))
+    if names:
+        width = 0.38
+        med = [ok[n]["median_step_s"] for n in names]
+        slow = [ok[n]["median_of_slowest_rank_step_s"] for n in names]
+        colors = ["tab:blue" if n.startswith("flatshard") else "tab:gray" for n in names]
+        ax_t.bar([i - width / 2 for i in x], med, width, color=colors, label="rank 0 median")
+        ax_t.bar(
+            [i + width / 2 for i in x], slow, width, color=colors, alpha=0.5, label="slowest-rank median"
+        )
+        for i, v in enumerate(med):
+            ax_t.annotate(f"{v:.3f}", (i - width / 2, v), ha="center", va="bottom", fontsize=7)
+        ws = len(ok[names[0]]["peak_rss_train_mib_per_rank"])
+        w = 0.8 / (2 * ws)
+        for rank in range(ws):
+            peak = [ok[n]["peak_rss_train_mib_per_rank"][rank] or 0 for n in names]
+            base = [ok[n]["rss_after_setup_mib_per_rank"][rank] or 0 for n in names]
+            off = (2 * rank - ws) * w + w / 2
+            color = f"C{rank}"
+            ax_m.bar([i + off for i in x], peak, w, color=color, label=f"rank {rank} peak during training")
+            ax_m.bar(
+                [i + off + w for i in x],
+                base,
+                w,
+                color=color,
+                alpha=0.4,
+                label=f"rank {rank} RSS after setup",
+            )
+        if cfg["device"] == "cuda":
+            alloc = [max(ok[n]["cuda_max_allocated_mib_per_rank"]) for n in names]
+            ax_m.plot(x, alloc, "k^", label="CUDA max allocated (max rank)")
+    for ax in (ax_t, ax_m):
+        ax.set_xticks(x)
+        ax.set_xticklabels(names, rotation=20, ha="right", fontsize=8)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
+        ax.grid(axis="y", alpha=0.3)
+    ax_t.set_ylabel("step time (s), lower is better")
+    ax_t.set_title("median step time")
+    ax_m.set_ylabel("MiB")
+    ax_m.set_title("peak RSS per rank" + (" (and CUDA peak)" if cfg["device"] == "cuda" else ""))
+    failed = [k for k, v in results.items() if v.get("status") != "ok"]
+    if failed:
+        title += f"  [failed: {', '.join(failed)}]"
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _git_commit() -> str | None:
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--", "src"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    changed = [line[3:] for line in dirty if line.strip()]
+    return f"{rev} + uncommitted changes in {', '.join(changed)}" if changed else (rev or None)
+
+
+def machine_info(cfg: dict[str, Any]) -> dict[str, Any]:
+    import flatshard
+
+    info: dict[str, Any] = {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "flatshard": getattr(flatshard, "__version__", None),
+        "git_commit": _git_commit(),
+        "loadavg_at_start": list(os.getloadavg()),
+    }
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_total_gib"] = round(int(f.readline().split()[1]) / 1024**2, 1)
+    except OSError:
+        pass
+    if cfg["device"] == "cuda" and torch.cuda.is_available():
+        info["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        info["cuda_version"] = torch.version.cuda
+    return info
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small", help="model/batch preset")
+    for field in MODEL_FIELDS:
+        p.add_argument(f"--{field.replace('_', '-')}", type=int, default=None, help="overrides the preset")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: the preset's")
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "bf16-mixed"],
+        default=None,
+        help="default: fp32 on CPU, bf16-mixed on CUDA (fp32 master weights; bf16 compute via autocast\n"
+        "and each framework's mixed-precision config, which also all-gathers bf16 parameters)",
+    )
+    p.add_argument(
+        "--reduce-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="gradient-reduction dtype of the sharded frameworks under bf16-mixed",
+    )
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument(
+        "--contenders",
+        default=",".join(DEFAULT_CONTENDERS),
+        help=f"comma-separated, run in this order; choices: {', '.join(ALL_CONTENDERS)}",
+    )
+    p.add_argument("--repeats", type=int, default=1, help="run every contender this many times (interleaved)")
+    p.add_argument(
+        "--flatshard-backward-prefetch",
+        choices=["auto", "BACKWARD_PRE", "BACKWARD_POST", "none"],
+        default="auto",
+        help="auto: BACKWARD_PRE, or None if this flatshard raises NotImplementedError for it.\n"
+        "An explicit value is passed through as is (the contender fails if unsupported).",
+    )
+    p.add_argument(
+        "--flatshard-forward-prefetch",
+        nargs="?",
+        const="on",
+        choices=["on", "off", "auto"],
+        default="off",
+        help="off (default, like FSDP1's default), on (bare flag), or auto (on if supported)",
+    )
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds a contender may run")
+    p.add_argument("--out", type=Path, default=None, help="JSON path; the PNG goes next to it")
+    p.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        default=None,
+        help="set MALLOC_MMAP_THRESHOLD_ for the ranks (e.g. 65536) so freed tensors go back to the OS\n"
+        "and RSS tracks live memory more closely (changes allocation cost; off by default)",
+    )
+    return p.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = dict(PRESETS[args.preset])
+    overrides = {}
+    for field in MODEL_FIELDS:
+        v = getattr(args, field)
+        if v is not None:
+            overrides[field] = v
+    if args.device is not None:
+        overrides["device"] = args.device
+    cfg.update(overrides)
+    cfg["precision"] = args.precision or ("bf16-mixed" if cfg["device"] == "cuda" else "fp32")
+    cfg.update(
+        preset=args.preset,
+        overrides=overrides,
+        reduce_dtype=args.reduce_dtype,
+        steps=args.steps,
+        warmup=args.warmup,
+        world_size=args.world_size,
+        seed=args.seed,
+        threads=args.threads,
+        flatshard_backward_prefetch=args.flatshard_backward_prefetch,
+        flatshard_forward_prefetch=args.flatshard_forward_prefetch,
+        optimizer="AdamW(lr=1e-4), other defaults",
+        timed_region="forward + cross-entropy + backward + optimizer.step() + zero_grad(set_to_none=True)",
+        malloc_mmap_threshold=args.malloc_mmap_threshold,
+    )
+    if cfg["steps"] < 1 or cfg["warmup"] < 0:
+        raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = build_config(args)
+    contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    unknown = [c for c in contenders if c not in ALL_CONTENDERS]
+    if unknown:
+        raise SystemExit(f"unknown contender(s) {unknown}; choose from {', '.join(ALL_CONTENDERS)}")
+    ws = cfg["world_size"]
+    backend = "gloo"
+    if cfg["device"] == "cuda":
+        backend = "nccl"
+        if not torch.cuda.is_available() or torch.cuda.device_count() < ws:
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            raise SystemExit(f"--device cuda needs {ws} GPUs (one per rank); found {n}")
+    if args.malloc_mmap_threshold is not None:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)  # inherited by the ranks
+    out = args.out or REPO / "docs" / "bench" / f"step_time_{args.preset}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    report: dict[str, Any] = {
+        "benchmark": "step_time",
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": machine_info(cfg),
+        "config": cfg,
+        "contenders": contenders,
+        "results": {},
+        "ratios": {},
+    }
+    tokens = cfg["batch_size"] * ws * cfg["seq_len"]
+    print(
+        f"preset {args.preset}: d_model={cfg['d_model']} n_layer={cfg['n_layer']} n_head={cfg['n_head']} "
+        f"vocab={cfg['vocab_size']} seq={cfg['seq_len']} batch/rank={cfg['batch_size']} "
+        f"({tokens} tokens/step) | {ws} ranks, {backend}, {cfg['device']}, {cfg['precision']}, "
+        f"{cfg['threads']} thread(s)/rank | warmup {cfg['warmup']}, timed {cfg['steps']}, "
+        f"repeats {args.repeats}",
+        flush=True,
+    )
+    runs: dict[str, list[list[dict[str, Any]]]] = {c: [] for c in contenders}
+    loads: dict[str, list[list[float]]] = {c: [] for c in contenders}
+    errors: dict[str, str] = {}
+    for rep in range(args.repeats):
+        for name in contenders:
+            if name in errors:
+                continue
+            t0 = time.perf_counter()
+            print(f"[{rep + 1}/{args.repeats}] {name}: {DESCRIPTIONS[name]} ...", flush=True)
+            try:
+                per_rank = _spawn(run_contender, ws, name, cfg, backend=backend, timeout=args.timeout)
+            except Exception as err:  # a rank failed: record it and go on with the others
+                errors[name] = f"{type(err).__name__}: {err}"
+                print(
+                    f"    FAILED after {time.perf_counter() - t0:.1f}s:\n{_indent(errors[name])}", flush=True
+                )
+                continue
+            runs[name].append(per_rank)
+            loads[name].append([round(x, 2) for x in os.getloadavg()])
+            med = _median(per_rank[0]["step_times_s"])
+            print(
+                f"    done in {time.perf_counter() - t0:.1f}s (load avg {loads[name][-1][0]:.1f}): "
+                f"median step {med:.4f}s, "
+                f"peak RSS {[r['peak_rss_train_mib'] for r in per_rank]} MiB, "
+                f"final loss {per_rank[0]['losses'][-1]:.5f}",
+                flush=True,
+            )
+    for name in contenders:
+        if name in errors:
+            res = {"status": "failed", "description": DESCRIPTIONS[name], "error": errors[name]}
+            if runs[name]:
+                res["completed_runs_before_failure"] = len(runs[name])
+            report["results"][name] = res
+        else:
+            try:
+                report["results"][name] = summarize(name, runs[name], cfg, ws)
+                report["results"][name]["loadavg_after_run"] = loads[name]
+            except Exception:
+                report["results"][name] = {
+                    "status": "failed",
+                    "description": DESCRIPTIONS[name],
+                    "error": traceback.format_exc(),
+                }
+    report["ratios"] = compute_ratios(report["results"])
+    report["machine"]["loadavg_at_end"] = list(os.getloadavg())
+    ok = [r for r in report["results"].values() if r.get("status") == "ok"]
+    notes = []
+    if ok:
+        first = [r["first_loss"] for r in ok]
+        final = [r["final_loss"] for r in ok]
+        report["loss_check"] = {
+            "first_loss_spread": max(first) - min(first),
+            "final_loss_spread": max(final) - min(final),
+        }
+        if max(final) - min(final) > 1e-2 * max(1.0, abs(statistics.median(final))):
+            notes.append("final losses differ by more than 1% between contenders: check the loss column")
+    for name, r in report["results"].items():
+        fo = r.get("flatshard_options")
+        if fo:
+            notes.append(
+                f"{name}: ran with backward_prefetch={fo['backward_prefetch']!r}, "
+                f"forward_prefetch={fo['forward_prefetch']!r}, mixed_precision={fo['mixed_precision']}"
+            )
+        fb = (fo or {}).get("fallbacks")
+        if fb:
+            notes.append(f"{name}: fell back from unimplemented options: " + "; ".join(fb))
+        if "fp32" in str(r.get("precision_used", "")) and cfg["precision"] == "bf16-mixed":
+            notes.append(f"{name}: ran in fp32, not bf16-mixed")
+        busy = [la[0] for la in r.get("loadavg_after_run", []) if la[0] > ws + 0.75]
+        if busy and (os.cpu_count() or 0) <= 2 * ws:
+            notes.append(
+                f"{name}: 1-min load average {max(busy):.1f} after its run (its own {ws} ranks account "
+                f"for ~{ws}): other processes competed for the CPUs; its times are inflated"
+            )
+        if r.get("status") == "ok" and not r.get("hwm_reset"):
+            notes.append(f"{name}: could not reset VmHWM; peak RSS is the process-lifetime peak")
+    report["notes"] = notes
+
+    table = format_table(report["results"], report["ratios"], cfg["device"] == "cuda")
+    report["table"] = table
+    print()
+    print(table)
+    if report["ratios"]:
+        print("\nratios (flatshard variant / peer; < 1 means flatshard is faster or smaller):")
+        print(format_ratios(report["ratios"]))
+    for n in notes:
+        print("note:", n)
+    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    png = out.with_suffix(".png")
+    title = (
+        f"step_time {args.preset}: d{cfg['d_model']} L{cfg['n_layer']} V{cfg['vocab_size']} "
+        f"B{cfg['batch_size']}x{ws} T{cfg['seq_len']}, {cfg['device']} {cfg['precision']}, "
+        f"torch {torch.__version__}, {report['date'][:10]}"
+    )
+    try:
+        plot(report["results"], cfg, png, title)
+    except Exception as err:  # the JSON is the primary output
+        print(f"plot failed: {type(err).__name__}: {err}")
+    else:
+        print(f"\nwrote {out} and {png}")
+    return 1 if contenders and len(errors) == len(contenders) else 0
+
+
+def _indent(text: str, prefix: str = "      ") -> str:
+    return "\n".join(prefix + line for line in text.strip().splitlines()[-12:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
