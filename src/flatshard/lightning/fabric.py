@@ -16,14 +16,6 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -44,6 +36,7 @@ from flatshard.engine.state_dict import (
     load_full_model_state_dict,
 )
 from flatshard.lightning.checkpoint_io import atomic_save, load_checkpoint_file
+from flatshard.lightning.distributed import barrier, broadcast_object, init_process_group, reduce_tensor
 from flatshard.lightning.options import StrategyOptions
 from flatshard.lightning.strategy import _move_metrics
 
@@ -160,18 +153,17 @@ class FlatShardFabricStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        self._process_group_backend = backend
         assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        if self.root_device.type == "cuda":
-            torch.cuda.set_device(self.root_device)
+        self._process_group_backend = init_process_group(
+            self.cluster_environment,
+            self.node_rank,
+            self.local_rank,
+            self.num_processes,
+            self.num_nodes,
+            self._process_group_backend,
+            self._timeout,
+            self.root_device,
+        )
 
     @override
     def setup_module(self, module: Module) -> Module:
@@ -190,27 +182,16 @@ class FlatShardFabricStrategy(ParallelStrategy):
     def all_reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean"
     ) -> Tensor:
-        if isinstance(tensor, Tensor):
-            reduced: Tensor = _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-            return reduced
-        return tensor  # type: ignore[no-any-return]  # non-tensors pass through unchanged
+        reduced: Tensor = reduce_tensor(tensor, group, reduce_op)
+        return reduced
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        barrier(self.root_device)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
+        return broadcast_object(obj, src)
 
     @override
     def clip_gradients_norm(

@@ -9,19 +9,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -42,6 +35,7 @@ from flatshard.engine.state_dict import (
     load_full_model_state_dict,
 )
 from flatshard.lightning.checkpoint_io import CheckpointError, atomic_save, load_checkpoint_file
+from flatshard.lightning.distributed import barrier, broadcast_object, init_process_group, reduce_tensor
 from flatshard.lightning.options import StrategyOptions
 from flatshard.lightning.precision import FlatShardPrecision, to_flatshard_precision
 
@@ -204,14 +198,17 @@ class FlatShardStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = (
-            self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        )
         assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
-        if self.root_device.type == "cuda":
-            torch.cuda.set_device(self.root_device)
+        self._process_group_backend = init_process_group(
+            self.cluster_environment,
+            self.node_rank,
+            self.local_rank,
+            self.num_processes,
+            self.num_nodes,
+            self._process_group_backend,
+            self._timeout,
+            self.root_device,
+        )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -268,62 +265,51 @@ class FlatShardStrategy(ParallelStrategy):
             yield
 
     # ------------------------------------------------------------------ steps through forward
+    def _through_forward(
+        self, method: str, context: AbstractContextManager[Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """Call ``lightning_module.<method>`` as the module's forward, so the root unit's hooks run."""
+        assert self.model is not None and self.lightning_module is not None
+        with context:
+            return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        assert self.model is not None and self.lightning_module is not None
-        with self.precision_plugin.train_step_context():
-            return self._forward_redirection(
-                self.model, self.lightning_module, "training_step", *args, **kwargs
-            )
+        return self._through_forward(
+            "training_step", self.precision_plugin.train_step_context(), *args, **kwargs
+        )
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        assert self.model is not None and self.lightning_module is not None
-        with self.precision_plugin.val_step_context():
-            return self._forward_redirection(
-                self.model, self.lightning_module, "validation_step", *args, **kwargs
-            )
+        return self._through_forward(
+            "validation_step", self.precision_plugin.val_step_context(), *args, **kwargs
+        )
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        assert self.model is not None and self.lightning_module is not None
-        with self.precision_plugin.test_step_context():
-            return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
+        return self._through_forward("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        assert self.model is not None and self.lightning_module is not None
-        with self.precision_plugin.predict_step_context():
-            return self._forward_redirection(
-                self.model, self.lightning_module, "predict_step", *args, **kwargs
-            )
+        return self._through_forward(
+            "predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs
+        )
 
     # ------------------------------------------------------------------ collectives
     @override
     def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        barrier(self.root_device)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
+        return broadcast_object(obj, src)
 
     @override
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean"
     ) -> Tensor:
-        if isinstance(tensor, Tensor):
-            reduced: Tensor = _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-            return reduced
-        return tensor  # type: ignore[no-any-return]  # non-tensors pass through unchanged
+        reduced: Tensor = reduce_tensor(tensor, group, reduce_op)
+        return reduced
 
     # ------------------------------------------------------------------ checkpoints
     @override
