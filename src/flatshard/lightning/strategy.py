@@ -17,7 +17,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -36,6 +36,7 @@ from flatshard.engine.state_dict import (
 )
 from flatshard.lightning.checkpoint_io import CheckpointError, atomic_save, load_checkpoint_file
 from flatshard.lightning.distributed import barrier, broadcast_object, init_process_group, reduce_tensor
+from flatshard.lightning.launcher import SpawnLauncher
 from flatshard.lightning.options import StrategyOptions
 from flatshard.lightning.precision import FlatShardPrecision, to_flatshard_precision
 
@@ -220,7 +221,7 @@ class FlatShardStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self.options.start_method == "spawn":
-            self._launcher = _MultiProcessingLauncher(self, start_method="spawn")
+            self._launcher = SpawnLauncher(self, start_method="spawn")
         elif not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
