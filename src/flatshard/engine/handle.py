@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -150,7 +151,10 @@ class FlatParamHandle:
         self._flat: torch.Tensor = torch.empty(0, dtype=self.dtype, device=device)
         self._flat.data = self._gather
         self._flat.requires_grad_(self.any_requires_grad)
-        self._sharded_grad: torch.Tensor | None = None  # 1-D, like _sharded
+        # The gradient shard (1-D, like _sharded). Held strongly only during a backward pass; between
+        # passes the parameters' .grad views keep it alive, so zero_grad(set_to_none=True) frees it.
+        self._sharded_grad: torch.Tensor | None = None
+        self._sharded_grad_ref: Callable[[], torch.Tensor | None] = lambda: None
         self._pending_unshard: _InFlight | None = None  # a gather issued and not yet waited for
         self._grad_this_backward = False  # a reduced gradient was accumulated in this backward
         self._used: list[bool] = [False] * len(self.params)  # per param: gradient flowed into its view
@@ -287,7 +291,7 @@ class FlatParamHandle:
             return
         self._grad_this_backward = True
         trainable = [i for i, r in enumerate(self.requires_grad) if r]
-        current = self._sharded_grad
+        current = self._sharded_grad = self._sharded_grad_ref()
         if current is None or all(self.params[i].grad is None for i in trainable):
             self._sharded_grad = grad
             return
@@ -326,6 +330,9 @@ class FlatParamHandle:
         self.reset_backward()
 
     def reset_backward(self) -> None:
+        if self._sharded_grad is not None:
+            self._sharded_grad_ref = weakref.ref(self._sharded_grad)
+            self._sharded_grad = None
         self._grad_this_backward = False
         self._used = [False] * len(self.params)
 
