@@ -228,10 +228,6 @@ class FlatParamHandle:
         else:
             inflight.pending.wait()
 
-    @property
-    def unshard_in_flight(self) -> bool:
-        return self._pending_unshard is not None
-
     def reshard(self, streams: CommContext | None = None, limiter: AllGatherLimiter | None = None) -> None:
         """Free the gathered flat parameter and restore the original Parameters on the modules."""
         if self.state is HandleState.SHARDED:
@@ -346,9 +342,6 @@ class FlatParamHandle:
     def flat(self) -> torch.Tensor:
         """The gathered flat parameter (storage is empty while SHARDED on a multi-rank group)."""
         return self._flat
-
-    def local_param_numel(self) -> int:
-        return self._sharded.numel()
 
     def __repr__(self) -> str:
         return (

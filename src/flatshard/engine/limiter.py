@@ -60,8 +60,5 @@ class AllGatherLimiter:
             self._free_events.popleft().synchronize()
             self.waits += 1
 
-    def reset(self) -> None:
-        self._free_events.clear()
-
     def __len__(self) -> int:
         return len(self._free_events)

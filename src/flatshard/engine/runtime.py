@@ -256,11 +256,6 @@ class UnitState:
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             ctx.unshard(ctx.order.next_backward(self))
 
-    def remove_hooks(self) -> None:
-        for h in self._hook_handles:
-            h.remove()
-        self._hook_handles.clear()
-
 
 def get_unit_state(module: nn.Module) -> UnitState | None:
     state = module.__dict__.get(STATE_ATTR)
