@@ -101,6 +101,19 @@ def make_loader(steps: int, global_batch: int, world: int) -> DataLoader:
     return DataLoader(dataset, batch_size=global_batch, sampler=sampler)
 
 
+def strategy_by_name(name: str) -> Any:
+    """The strategy argument for a short test name (``flatshard_block`` wraps each ``Block``)."""
+    import flatshard
+    from flatshard.testing.models import Block
+
+    return {
+        "ddp": "ddp",
+        "flatshard": "flatshard",
+        "flatshard_block": flatshard.FlatShardStrategy(auto_wrap_policy={Block}),
+        "flatshard_grad_op": "flatshard_grad_op",
+    }[name]
+
+
 def make_trainer(devices: int, strategy: Any, **kwargs: Any) -> L.Trainer:
     options: dict[str, Any] = {
         "accelerator": "cpu",

@@ -22,7 +22,7 @@ import torch
 import flatshard
 import flatshard.testing.models
 from flatshard.testing import spawn
-from flatshard.testing.models import Block, TinyGPT
+from flatshard.testing.models import TinyGPT
 
 from .lit_common import (
     LitGPT,
@@ -32,6 +32,7 @@ from .lit_common import (
     load_ckpt,
     make_loader,
     make_trainer,
+    strategy_by_name,
     strip_prefix,
     train_reference,
 )
@@ -39,15 +40,6 @@ from .lit_common import (
 GLOBAL_BATCH = 6
 STEPS_PER_EPOCH = 2
 FIRST_EPOCHS, TOTAL_EPOCHS = 1, 2
-
-
-def _strategy(name: str) -> Any:
-    return {
-        "ddp": "ddp",
-        "flatshard": "flatshard",
-        "flatshard_block": flatshard.FlatShardStrategy(auto_wrap_policy={Block}),
-        "flatshard_grad_op": "flatshard_grad_op",
-    }[name]
 
 
 class PoisonableGPT(LitGPT):
@@ -69,7 +61,7 @@ def _first_runs(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name in ("ddp", "flatshard", "flatshard_block"):
         model = PoisonableGPT()
-        trainer = make_trainer(world, _strategy(name), max_epochs=FIRST_EPOCHS)
+        trainer = make_trainer(world, strategy_by_name(name), max_epochs=FIRST_EPOCHS)
         trainer.fit(model, make_loader(STEPS_PER_EPOCH, GLOBAL_BATCH, world))
         path = os.path.join(out_dir, f"{name}.ckpt")
         trainer.save_checkpoint(path)
@@ -106,7 +98,9 @@ def _resumed_runs(rank: int, world: int, sources: dict[str, str], out_dir: str) 
     results = {}
     for name, strategy, source in RESUMES:
         recorder = LossRecorder()
-        trainer = make_trainer(world, _strategy(strategy), max_epochs=TOTAL_EPOCHS, callbacks=[recorder])
+        trainer = make_trainer(
+            world, strategy_by_name(strategy), max_epochs=TOTAL_EPOCHS, callbacks=[recorder]
+        )
         trainer.fit(
             LitGPT(),
             make_loader(STEPS_PER_EPOCH, GLOBAL_BATCH, world),

@@ -13,23 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-import flatshard
 from flatshard.testing import spawn
-from flatshard.testing.models import Block
 
-from .lit_common import LitGPT, assert_same_weights, load_ckpt, make_loader, make_trainer
+from .lit_common import LitGPT, assert_same_weights, load_ckpt, make_loader, make_trainer, strategy_by_name
 
 STEPS = 3
 CLIP = 0.05
-
-
-def _strategy(name: str) -> Any:
-    return {
-        "ddp": "ddp",
-        "flatshard": "flatshard",
-        "flatshard_block": flatshard.FlatShardStrategy(auto_wrap_policy={Block}),
-        "flatshard_grad_op": "flatshard_grad_op",
-    }[name]
 
 
 RUNS = [  # (strategy, gradient_clip_algorithm or None for no clipping)
@@ -50,7 +39,7 @@ def _train(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     for name, algorithm in RUNS:
         clip = {} if algorithm is None else {"gradient_clip_val": CLIP, "gradient_clip_algorithm": algorithm}
         model = LitGPT(optimizer="sgd", lr=1.0)
-        trainer = make_trainer(world, _strategy(name), max_epochs=1, **clip)
+        trainer = make_trainer(world, strategy_by_name(name), max_epochs=1, **clip)
         trainer.fit(model, make_loader(STEPS, 2 * world, world))
         trainer.save_checkpoint(os.path.join(out_dir, f"{name}_{algorithm}.ckpt"))
         if name != "ddp":

@@ -109,8 +109,11 @@ def _expected_shapes(module: nn.Module) -> dict[str, tuple[torch.Size, FlatParam
 
 def check_full_model_state_dict(
     module: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True, source: str = "state_dict"
-) -> None:
-    """Raise if ``state_dict`` does not fit ``module`` (keys, shapes); changes nothing."""
+) -> dict[str, tuple[torch.Size, FlatParamHandle | None, int]]:
+    """Raise if ``state_dict`` does not fit ``module`` (keys, shapes); changes nothing.
+
+    Returns the key -> (full shape, handle, index) map it checked against, for the loader to reuse.
+    """
     prepare_for_state_io(module, "set_state_dict")
     expected = _expected_shapes(module)
     own_keys = set(module.state_dict(keep_vars=True).keys())
@@ -134,14 +137,14 @@ def check_full_model_state_dict(
             + ". HINT: load a checkpoint of the same model architecture, or pass strict=False to skip missing "
             "and unexpected keys. Nothing was loaded."
         )
+    return expected
 
 
 def load_full_model_state_dict(
     module: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True, source: str = "state_dict"
 ) -> None:
     """Load a full state dict; each rank copies only its own slices. Validates everything first."""
-    check_full_model_state_dict(module, state_dict, strict=strict, source=source)
-    expected = _expected_shapes(module)
+    expected = check_full_model_state_dict(module, state_dict, strict=strict, source=source)
     rest: dict[str, Any] = {}
     with torch.no_grad():
         for key, value in state_dict.items():

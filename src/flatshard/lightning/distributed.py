@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
@@ -17,31 +17,53 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
-__all__ = ["barrier", "broadcast_object", "init_process_group", "reduce_tensor"]
+__all__ = ["barrier", "broadcast_object", "init_process_group", "reduce_tensor", "set_world_ranks"]
 
 
-def init_process_group(
-    env: ClusterEnvironment,
-    node_rank: int,
-    local_rank: int,
-    num_processes: int,
-    num_nodes: int,
-    backend: str | None,
-    timeout: timedelta | None,
-    root_device: torch.device,
-) -> str:
-    """Set the world ranks on ``env``, initialize the default process group, pick the CUDA device.
+class _ParallelStrategy(Protocol):
+    """What these helpers read from the Trainer and Fabric strategies."""
 
-    Returns the backend used (``nccl`` on CUDA, ``gloo`` on CPU unless ``backend`` says otherwise).
-    """
-    env.set_global_rank(node_rank * num_processes + local_rank)
-    env.set_world_size(num_nodes * num_processes)
+    cluster_environment: ClusterEnvironment | None
+    _process_group_backend: str | None
+    _timeout: timedelta | None
+
+    @property
+    def node_rank(self) -> int: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def num_processes(self) -> int: ...
+    @property
+    def num_nodes(self) -> int: ...
+    @property
+    def root_device(self) -> torch.device: ...
+
+
+def set_world_ranks(strategy: _ParallelStrategy) -> None:
+    """Global rank and world size on the cluster environment, and the rank rank_zero_only compares to."""
+    env = strategy.cluster_environment
+    if env is None:
+        return
+    env.set_global_rank(strategy.node_rank * strategy.num_processes + strategy.local_rank)
+    env.set_world_size(strategy.num_nodes * strategy.num_processes)
     rank_zero_only.rank = env.global_rank()  # type: ignore[attr-defined]
-    backend = backend or _get_default_process_group_backend_for_device(root_device)
-    _init_dist_connection(env, backend, timeout=timeout)
-    if root_device.type == "cuda":
-        torch.cuda.set_device(root_device)
-    return backend
+
+
+def init_process_group(strategy: _ParallelStrategy) -> None:
+    """Set the world ranks, initialize the default process group, pick the CUDA device.
+
+    The backend is the strategy's ``process_group_backend`` or, by default, ``nccl`` on CUDA and ``gloo``
+    on CPU; it is stored back on the strategy.
+    """
+    set_world_ranks(strategy)
+    assert strategy.cluster_environment is not None
+    backend = strategy._process_group_backend or _get_default_process_group_backend_for_device(
+        strategy.root_device
+    )
+    strategy._process_group_backend = backend
+    _init_dist_connection(strategy.cluster_environment, backend, timeout=strategy._timeout)
+    if strategy.root_device.type == "cuda":
+        torch.cuda.set_device(strategy.root_device)
 
 
 def barrier(root_device: torch.device) -> None:

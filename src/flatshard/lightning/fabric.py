@@ -153,17 +153,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        assert self.cluster_environment is not None
-        self._process_group_backend = init_process_group(
-            self.cluster_environment,
-            self.node_rank,
-            self.local_rank,
-            self.num_processes,
-            self.num_nodes,
-            self._process_group_backend,
-            self._timeout,
-            self.root_device,
-        )
+        init_process_group(self)
 
     @override
     def setup_module(self, module: Module) -> Module:

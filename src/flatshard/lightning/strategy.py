@@ -20,7 +20,6 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
@@ -35,7 +34,13 @@ from flatshard.engine.state_dict import (
     load_full_model_state_dict,
 )
 from flatshard.lightning.checkpoint_io import CheckpointError, atomic_save, load_checkpoint_file
-from flatshard.lightning.distributed import barrier, broadcast_object, init_process_group, reduce_tensor
+from flatshard.lightning.distributed import (
+    barrier,
+    broadcast_object,
+    init_process_group,
+    reduce_tensor,
+    set_world_ranks,
+)
 from flatshard.lightning.launcher import SpawnLauncher
 from flatshard.lightning.options import StrategyOptions
 from flatshard.lightning.precision import FlatShardPrecision, to_flatshard_precision
@@ -199,23 +204,10 @@ class FlatShardStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
-        assert self.cluster_environment is not None
-        self._process_group_backend = init_process_group(
-            self.cluster_environment,
-            self.node_rank,
-            self.local_rank,
-            self.num_processes,
-            self.num_nodes,
-            self._process_group_backend,
-            self._timeout,
-            self.root_device,
-        )
+        init_process_group(self)
 
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+    def set_world_ranks(self) -> None:  # called by Lightning's connector when the Trainer is built
+        set_world_ranks(self)
 
     @override
     def _configure_launcher(self) -> None:
