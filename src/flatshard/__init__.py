@@ -4,9 +4,11 @@
 ``"flatshard_hybrid"``, ``"flatshard_offload"``) with Lightning's Trainer and Fabric.
 """
 
+from flatshard.checkpoint import CheckpointError, consolidate, load_checkpoint, save_checkpoint
 from flatshard.engine import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, is_sharded, shard
 from flatshard.engine.api import get_state_dict, set_state_dict
 from flatshard.engine.clip import clip_grad_norm_
+from flatshard.engine.sharded_state import ParamShard
 from flatshard.lightning import FlatShardFabricStrategy, FlatShardStrategy, register
 
 __version__ = "0.1.0"
@@ -16,14 +18,19 @@ register()
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
+    "CheckpointError",
     "FlatShardFabricStrategy",
     "FlatShardStrategy",
     "MixedPrecision",
+    "ParamShard",
     "ShardingStrategy",
     "__version__",
     "clip_grad_norm_",
+    "consolidate",
     "get_state_dict",
     "is_sharded",
+    "load_checkpoint",
+    "save_checkpoint",
     "set_state_dict",
     "shard",
 ]

@@ -26,7 +26,7 @@ def _human(n: float) -> str:
 
 
 def _inspect(path: str, show_all: bool) -> int:
-    from flatshard.lightning.checkpoint_io import CheckpointError, load_checkpoint_file
+    from flatshard.checkpoint.files import CheckpointError, load_checkpoint_file
 
     try:
         ckpt = load_checkpoint_file(path)

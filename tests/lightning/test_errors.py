@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import flatshard
-from flatshard.lightning.checkpoint_io import CheckpointError
+from flatshard.checkpoint.files import CheckpointError
 from flatshard.testing import spawn
 from flatshard.testing.models import Block
 
@@ -298,7 +298,7 @@ def test_checkpoint_error_is_a_value_error(tmp_path: Path) -> None:
     assert issubclass(CheckpointError, ValueError)
     empty = tmp_path / "empty.ckpt"
     empty.write_bytes(b"")
-    from flatshard.lightning.checkpoint_io import load_checkpoint_file
+    from flatshard.checkpoint.files import load_checkpoint_file
 
     with pytest.raises(CheckpointError, match=re.escape(str(empty))):
         load_checkpoint_file(empty)

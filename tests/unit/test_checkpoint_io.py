@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flatshard.lightning.checkpoint_io import CheckpointError, atomic_save, load_checkpoint_file
+from flatshard.checkpoint.files import CheckpointError, atomic_save, load_checkpoint_file
 
 
 class _ExplodesWhenPickled:

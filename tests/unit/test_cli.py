@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from flatshard.cli import main
-from flatshard.lightning.checkpoint_io import atomic_save
+from flatshard.checkpoint.files import atomic_save
 from flatshard.testing.models import TinyGPT
 
 

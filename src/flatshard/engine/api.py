@@ -9,6 +9,14 @@ import torch
 import torch.nn as nn
 
 from flatshard.engine.optim_state import convert_full_optim_state_dict, full_optim_state_dict
+from flatshard.engine.sharded_state import (
+    ParamShard,
+    local_param_targets,
+    sharded_model_state_dict,
+    sharded_optim_state_dict,
+    to_local_model_state,
+    to_local_optim_state,
+)
 from flatshard.engine.state_dict import (
     check_full_model_state_dict,
     full_model_state_dict,
@@ -18,13 +26,6 @@ from flatshard.engine.state_dict import (
 __all__ = ["get_state_dict", "set_state_dict"]
 
 OptimizerArg = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
-
-
-def _not_sharded_yet() -> NotImplementedError:
-    return NotImplementedError(
-        "full=False (sharded state) is not available in this flatshard release yet (the checkpoints issue). "
-        "HINT: use full=True."
-    )
 
 
 def get_state_dict(
@@ -41,12 +42,21 @@ def get_state_dict(
         module: a module sharded with ``flatshard.shard``.
         optimizer: an optimizer, a list of optimizers, or ``None``. The optimizer state is then the plain
             format (a list for a list), or ``None``.
-        full: gather full, consolidated state (the only mode in this release). Default: ``True``.
-        rank0_only: only global rank 0 receives the state; other ranks get empty dicts. Default: ``True``.
-        cpu_offload: copy the gathered tensors to CPU. Default: ``True``.
+        full: ``True``: gather full, consolidated state. ``False``: return this rank's sharded state without
+            any communication: parameters (and elementwise optimizer state) as :class:`ParamShard` views of
+            the live tensors, the optimizer state keyed by parameter name (see ``flatshard.save_checkpoint``
+            to write it to disk and reload it on any world size). Default: ``True``.
+        rank0_only: (full state) only global rank 0 receives the state; other ranks get empty dicts.
+            Default: ``True``.
+        cpu_offload: (full state) copy the gathered tensors to CPU. Default: ``True``.
     """
     if not full:
-        raise _not_sharded_yet()
+        sharded_model = sharded_model_state_dict(module)
+        if optimizer is None:
+            return sharded_model, None
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return sharded_model, sharded_optim_state_dict(module, optimizer)
+        return sharded_model, [sharded_optim_state_dict(module, o) for o in optimizer]
     model_state = full_model_state_dict(module, rank0_only=rank0_only, cpu_offload=cpu_offload)
     if optimizer is None:
         return model_state, None
@@ -66,18 +76,21 @@ def set_state_dict(
     full: bool = True,
     strict: bool = True,
 ) -> None:
-    """Load full model and optimizer state on every rank (each rank keeps only its slices).
+    """Load model and optimizer state on every rank (each rank keeps only its slices).
 
     Args:
         module: a module sharded with ``flatshard.shard``.
         optimizer: the optimizer(s) matching ``optimizer_state``, or ``None``.
         model_state: a full state dict (``None`` to skip the model).
         optimizer_state: plain-format optimizer state (a list for several optimizers), or ``None``.
-        full: the state is full (the only mode in this release). Default: ``True``.
+        full: ``True``: the state is full (plain format). ``False``: it is sharded state from
+            ``get_state_dict(full=False)`` of the same world size and wrap policy (to change either, go through
+            ``flatshard.save_checkpoint`` / ``load_checkpoint``). Default: ``True``.
         strict: refuse missing or unexpected model keys. Default: ``True``.
     """
     if not full:
-        raise _not_sharded_yet()
+        _set_sharded_state_dict(module, optimizer, model_state, optimizer_state, strict=strict)
+        return
     optimizers: list[torch.optim.Optimizer] = []
     states: list[Any] = []
     if optimizer is not None and optimizer_state is not None:
@@ -95,4 +108,57 @@ def set_state_dict(
     if model_state is not None:
         load_full_model_state_dict(module, model_state, strict=strict)
     for opt, st in zip(optimizers, local):
+        opt.load_state_dict(st)
+
+
+def _set_sharded_state_dict(
+    module: nn.Module,
+    optimizer: OptimizerArg,
+    model_state: Mapping[str, Any] | None,
+    optimizer_state: Any,
+    *,
+    strict: bool,
+) -> None:
+    """Load sharded state of this rank's own layout: validate every piece first, then copy."""
+    optimizers: list[torch.optim.Optimizer] = []
+    states: list[Any] = []
+    if optimizer is not None and optimizer_state is not None:
+        optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+        states = [optimizer_state] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer_state)
+        if len(states) != len(optimizers):
+            raise ValueError(f"Got {len(optimizers)} optimizers but {len(states)} optimizer states.")
+    local_model: dict[str, Any] = {}
+    if model_state is not None:
+        live = local_param_targets(module)
+        own = set(module.state_dict(keep_vars=True))
+        missing, unexpected = sorted(own - set(model_state)), sorted(set(model_state) - own)
+        if strict and (missing or unexpected):
+            raise ValueError(
+                f"Sharded state does not match {type(module).__name__}: missing keys {missing[:8]}, unexpected "
+                f"keys {unexpected[:8]}. HINT: pass strict=False to skip them. Nothing was loaded."
+            )
+        for key, value in model_state.items():
+            if key not in live:
+                continue
+            target = live[key][1]
+            if isinstance(value, ParamShard) != (target is not None) or (
+                target is not None
+                and (value.offset, value.local.numel(), value.shape)
+                != (target.offset, target.local.numel(), target.shape)
+            ):
+                raise ValueError(
+                    f"Sharded state for {key!r} ({value!r}) does not match this rank's piece ({target!r}). HINT: "
+                    "set_state_dict(full=False) takes state of the same world size and wrap policy; to change "
+                    "either, save with flatshard.save_checkpoint and load with flatshard.load_checkpoint. "
+                    "Nothing was loaded."
+                )
+        local_model = to_local_model_state(module, model_state)
+    local_optim = [
+        to_local_optim_state(module, opt, st, source=f"sharded optimizer state #{i}")
+        for i, (opt, st) in enumerate(zip(optimizers, states))
+    ]
+    if model_state is not None:
+        with torch.no_grad():
+            module.load_state_dict(local_model, strict=False)
+    for opt, st in zip(optimizers, local_optim):
         opt.load_state_dict(st)

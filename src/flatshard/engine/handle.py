@@ -21,7 +21,6 @@ gathers into the same storage again before backward, so the saved views see the 
 from __future__ import annotations
 
 import enum
-import functools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -29,9 +28,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.autograd.function import once_differentiable
 from torch.utils.weak import WeakIdKeyDictionary
 
-from flatshard.engine import comm
+from flatshard.engine import comm, memory
 from flatshard.engine.flat_param import FlatLayout, ShardInfo, flatten_tensors, split_flat
 from flatshard.engine.limiter import AllGatherLimiter
 from flatshard.engine.streams import CommContext
@@ -61,6 +61,26 @@ def _reduce_scatter_into(handle: FlatParamHandle, out: torch.Tensor, full: torch
 
 def _all_reduce_into(handle: FlatParamHandle, out: torch.Tensor, full: torch.Tensor) -> comm.Pending:
     return comm.all_reduce_flat(out, handle.replicate_group)
+
+
+class _UnflattenViews(torch.autograd.Function):
+    """The trainable parameters' views of a gathered flat parameter, as one autograd node.
+
+    Backward hands the views' gradients to :meth:`FlatParamHandle.flat_grad_from_views`, which packs
+    them into a flat buffer it allocates; that buffer becomes ``_flat.grad``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, flat: torch.Tensor, handle: FlatParamHandle) -> tuple[torch.Tensor, ...]:
+        ctx.handle = handle
+        ctx.set_materialize_grads(False)
+        views = split_flat(flat, handle.layout)
+        return tuple(views[i] for i in handle._trainable)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+        return ctx.handle.flat_grad_from_views(grads), None
 
 
 class HandleState(enum.Enum):
@@ -127,6 +147,7 @@ class FlatParamHandle:
         self.layout = FlatLayout(tuple(p.shape for p in params), self.shard_world)
         self.shard_infos: tuple[ShardInfo, ...] = self.layout.shard_infos(self.shard_rank)
         self.requires_grad: list[bool] = [p.requires_grad for p in params]
+        self._trainable: list[int] = [i for i, r in enumerate(self.requires_grad) if r]
         self.any_requires_grad = any(self.requires_grad)
         self.all_require_grad = all(self.requires_grad)
         self.state = HandleState.SHARDED
@@ -178,21 +199,38 @@ class FlatParamHandle:
     def use_unsharded_views(self) -> None:
         """Put views of the gathered flat parameter on the modules (tracked by autograd if grad is on).
 
-        Each trainable view gets a hook that notes the parameter took part in backward: a parameter no
-        rank used keeps ``grad=None``, as it would without sharding (see :meth:`assign_grads`).
+        Trainable views come from :class:`_UnflattenViews`, whose backward writes their gradients into
+        one flat buffer and notes which parameters took part: a parameter no rank used keeps
+        ``grad=None``, as it would without sharding (see :meth:`assign_grads`).
         """
-        tracked = split_flat(self._flat, self.layout)
-        untracked = split_flat(self._flat.detach(), self.layout) if not self.all_require_grad else tracked
-        track_use = torch.is_grad_enabled() and self.any_requires_grad
-        for i in range(len(self.params)):
-            view = tracked[i] if self.requires_grad[i] else untracked[i]
-            if track_use and self.requires_grad[i]:
-                view.register_hook(functools.partial(self._mark_used, i))
+        untracked = split_flat(self._flat.detach(), self.layout)
+        views: list[torch.Tensor] = list(untracked)
+        if torch.is_grad_enabled() and self.any_requires_grad:
+            tracked = _UnflattenViews.apply(self._flat, self)
+            for i, view in zip(self._trainable, tracked, strict=True):
+                views[i] = view
+        for i, view in enumerate(views):
             for module, name in self.aliases[i]:
                 module._parameters[name] = view  # type: ignore[assignment]
 
-    def _mark_used(self, i: int, grad: torch.Tensor) -> None:
-        self._used[i] = True
+    def flat_grad_from_views(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """One padded flat gradient from the trainable views' gradients (``None``: not used, zeros).
+
+        The buffer is allocated here (on the compute stream) rather than by autograd, so large CPU
+        buffers get huge pages (see [Note: huge pages for CPU buffers]).
+        """
+        flat = memory.empty_flat(self.layout.padded_numel, self.dtype, self.device)
+        pieces = split_flat(flat, self.layout)
+        written = [False] * len(self.params)
+        for i, grad in zip(self._trainable, grads, strict=True):
+            if grad is not None:
+                pieces[i].copy_(grad)
+                written[i] = self._used[i] = True
+        for i, done in enumerate(written):
+            if not done:
+                pieces[i].zero_()
+        flat[self.layout.total_numel :].zero_()
+        return flat
 
     # ------------------------------------------------------------------ gather / free
     def unshard(self, streams: CommContext | None = None, limiter: AllGatherLimiter | None = None) -> None:
@@ -208,6 +246,7 @@ class FlatParamHandle:
         if limiter is not None:
             limiter.before_all_gather()  # see [Note: rate limiter]
         _alloc_storage(self._gather)  # on the compute stream
+        memory.advise_hugepages(self._gather)
         if streams is not None and streams.is_cuda:
             streams.side_waits_compute(streams.unshard)
             with streams.on(streams.unshard):
@@ -256,7 +295,8 @@ class FlatParamHandle:
                 return _InFlight(comm.Pending(flat_grad, None), None, flat_grad)
             out, collective = flat_grad, _all_reduce_into
         else:
-            out, collective = torch.empty_like(self._sharded), _reduce_scatter_into  # on compute
+            out = memory.empty_flat(self._sharded.numel(), self.dtype, self.device)  # on compute
+            collective = _reduce_scatter_into
         if streams is not None and streams.is_cuda:
             streams.side_waits_compute(streams.post_backward)
             with streams.on(streams.post_backward):
@@ -286,7 +326,7 @@ class FlatParamHandle:
             self._sharded_grad.add_(grad)
             return
         self._grad_this_backward = True
-        trainable = [i for i, r in enumerate(self.requires_grad) if r]
+        trainable = self._trainable
         current = self._sharded_grad = self._sharded_grad_ref()
         if current is None or all(self.params[i].grad is None for i in trainable):
             self._sharded_grad = grad
@@ -315,7 +355,7 @@ class FlatParamHandle:
         rank decides alike; a parameter nobody used keeps ``grad=None`` and optimizers skip it.
         """
         assert self._sharded_grad is not None
-        trainable = [i for i, r in enumerate(self.requires_grad) if r]
+        trainable = self._trainable
         for i, was_used in zip(trainable, used):
             p = self.params[i]
             if not was_used and p.grad is None:

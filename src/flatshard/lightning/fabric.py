@@ -21,6 +21,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from flatshard.checkpoint.files import atomic_save, load_checkpoint_file
 from flatshard.engine import shard
 from flatshard.engine.clip import clip_grad_norm_params_
 from flatshard.engine.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -35,7 +36,6 @@ from flatshard.engine.state_dict import (
     full_model_state_dict,
     load_full_model_state_dict,
 )
-from flatshard.lightning.checkpoint_io import atomic_save, load_checkpoint_file
 from flatshard.lightning.distributed import barrier, broadcast_object, init_process_group, reduce_tensor
 from flatshard.lightning.options import StrategyOptions
 from flatshard.lightning.strategy import _move_metrics

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
+from flatshard.checkpoint.files import CheckpointError, atomic_save, load_checkpoint_file
 from flatshard.engine import shard
 from flatshard.engine.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from flatshard.engine.optim_state import convert_full_optim_state_dict, full_optim_state_dict
@@ -33,7 +34,6 @@ from flatshard.engine.state_dict import (
     full_model_state_dict,
     load_full_model_state_dict,
 )
-from flatshard.lightning.checkpoint_io import CheckpointError, atomic_save, load_checkpoint_file
 from flatshard.lightning.distributed import (
     barrier,
     broadcast_object,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "atomic_save", "load_checkpoint_file"]
+__all__ = ["CheckpointError", "atomic_save", "fsync_dir", "load_checkpoint_file"]
 
 
 class CheckpointError(ValueError):
@@ -40,11 +40,11 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
         if os.path.exists(tmp_name):
             os.unlink(tmp_name)
         raise
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
     return target
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # pragma: no cover - platforms without directory fds
@@ -66,8 +66,9 @@ def load_checkpoint_file(path: str | os.PathLike[str], weights_only: bool | None
         )
     if target.is_dir():
         raise CheckpointError(
-            f"Checkpoint {target} is a directory; sharded checkpoints are not available in this flatshard release "
-            "yet. HINT: pass a full checkpoint file."
+            f"Checkpoint {target} is a directory (a sharded checkpoint), not a file. HINT: load it with "
+            "flatshard.load_checkpoint or a flatshard strategy, or turn it into one file with "
+            f"`flatshard consolidate {target} OUT.ckpt`."
         )
     if target.stat().st_size == 0:
         raise CheckpointError(

@@ -1,0 +1,252 @@
+"""Sharded ("local") model and optimizer state: what each rank holds, without any communication.
+
+[Note: sharded state]
+Every managed parameter is described as a :class:`ParamShard`: this rank's contiguous piece of the
+*flattened* full parameter, its offset in it and the full shape. Pieces of one parameter from all ranks
+tile ``[0, numel)`` exactly (a rank may hold an empty piece), whatever the world size or wrap policy
+was, so a checkpoint of pieces can be re-cut for any other layout by offset arithmetic alone
+(``flatshard.checkpoint``). Elementwise optimizer state (``exp_avg``...) is cut exactly like its
+parameter, so it is a ``ParamShard`` too; everything else (``step``, buffers, objects) is replicated.
+
+The optimizer's sharded state names parameters, not positions: ``{"state": {name: {key: value}},
+"param_groups": [{..., "params": [name, ...]}]}``, so it survives a change of wrap policy or world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from flatshard.engine.handle import FlatParamHandle, handle_of_param
+from flatshard.engine.state_dict import prepare_for_state_io
+
+__all__ = [
+    "ParamShard",
+    "local_param_targets",
+    "param_names",
+    "sharded_model_state_dict",
+    "sharded_optim_state_dict",
+    "to_local_model_state",
+    "to_local_optim_state",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class ParamShard:
+    """This rank's contiguous piece of a flattened full tensor.
+
+    Attributes:
+        local: the piece, 1-D (possibly empty); for the live state it is a view, not a copy.
+        offset: index of ``local[0]`` in the flattened full tensor.
+        shape: the full tensor's shape.
+    """
+
+    local: torch.Tensor
+    offset: int
+    shape: torch.Size
+
+    @property
+    def numel(self) -> int:
+        """Elements of the full tensor."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def __repr__(self) -> str:
+        return (
+            f"ParamShard(shape={tuple(self.shape)}, offset={self.offset}, local={self.local.numel()}, "
+            f"dtype={self.local.dtype})"
+        )
+
+
+def param_names(module: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name``; a shared parameter gets its first name."""
+    out: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), name)
+    return out
+
+
+def _position(handle: FlatParamHandle, param: torch.Tensor) -> int:
+    return next(i for i, q in enumerate(handle.params) if q is param)
+
+
+def _shard_of(handle: FlatParamHandle, i: int, local: torch.Tensor) -> ParamShard:
+    return ParamShard(local.reshape(-1), handle.shard_infos[i].offset_in_param, handle.layout.shapes[i])
+
+
+def sharded_model_state_dict(module: nn.Module) -> dict[str, Any]:
+    """The module's state-dict keys; managed parameters as :class:`ParamShard` views (no copies).
+
+    A parameter reachable under several names (tied weights) is the *same* ``ParamShard`` object under
+    each, so writers can store it once. Buffers and unmanaged parameters are detached tensors.
+    """
+    prepare_for_state_io(module, "get_state_dict")
+    out: dict[str, Any] = {}
+    shards: dict[int, ParamShard] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        handle = handle_of_param(value) if isinstance(value, torch.Tensor) else None
+        if handle is not None:
+            if id(value) not in shards:
+                shards[id(value)] = _shard_of(handle, _position(handle, value), value.detach())
+            out[key] = shards[id(value)]
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.detach()
+        else:
+            out[key] = value
+    return out
+
+
+def _ordered_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _optimizer_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    names = param_names(module)
+    out = []
+    for p in _ordered_params(optimizer):
+        if id(p) not in names:
+            raise ValueError(
+                f"{type(optimizer).__name__} holds a parameter of shape {tuple(p.shape)} that is not a parameter "
+                f"of {type(module).__name__}, so it has no name in a sharded checkpoint. HINT: build the "
+                "optimizer from the sharded module's parameters."
+            )
+        out.append(names[id(p)])
+    if len(set(out)) != len(out):
+        raise ValueError(f"{type(optimizer).__name__} holds the same parameter twice.")
+    return out
+
+
+def sharded_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's optimizer state, keyed by parameter name (see [Note: sharded state]); no copies."""
+    prepare_for_state_io(module, "get_state_dict")
+    params = _ordered_params(optimizer)
+    names = _optimizer_names(module, optimizer)
+    local = optimizer.state_dict()
+    state: dict[str, dict[str, Any]] = {}
+    for idx, entries in local["state"].items():
+        p, name = params[idx], names[idx]
+        handle = handle_of_param(p)
+        converted: dict[str, Any] = {}
+        for key, value in entries.items():
+            if handle is not None and isinstance(value, torch.Tensor) and value.dim() > 0:
+                if value.shape != p.shape:
+                    raise ValueError(
+                        f"{type(optimizer).__name__} keeps state {key!r} of shape {tuple(value.shape)} for "
+                        f"{name!r}, whose local piece has shape {tuple(p.shape)}; only elementwise optimizer "
+                        "state can be sharded. HINT: use an elementwise optimizer (Adam, AdamW, SGD...)."
+                    )
+                converted[key] = _shard_of(handle, _position(handle, p), value.detach())
+            else:
+                converted[key] = value
+        state[name] = converted
+    groups = []
+    for group in local["param_groups"]:
+        groups.append(dict(group, params=[names[i] for i in group["params"]]))
+    return {"state": state, "param_groups": groups}
+
+
+def local_param_targets(module: nn.Module) -> dict[str, tuple[torch.Tensor, ParamShard | None]]:
+    """For every state-dict tensor key: (the live tensor, an empty ParamShard to read this rank's piece into).
+
+    The ParamShard is ``None`` for buffers and unmanaged parameters (read whole).
+    """
+    prepare_for_state_io(module, "set_state_dict")
+    out: dict[str, tuple[torch.Tensor, ParamShard | None]] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        handle = handle_of_param(value)
+        if handle is None:
+            out[key] = (value, None)
+            continue
+        i = _position(handle, value)
+        info = handle.shard_infos[i]
+        empty = torch.empty(info.numel_in_shard, dtype=value.dtype, device=value.device)
+        out[key] = (value, ParamShard(empty, info.offset_in_param, handle.layout.shapes[i]))
+    return out
+
+
+def to_local_model_state(module: nn.Module, loaded: Mapping[str, Any]) -> dict[str, Any]:
+    """Turn read pieces into tensors shaped like the live local parameters, for ``load_state_dict``."""
+    live = module.state_dict(keep_vars=True)
+    out: dict[str, Any] = {}
+    for key, value in loaded.items():
+        if isinstance(value, ParamShard):
+            out[key] = value.local.view(live[key].shape)
+        else:
+            out[key] = value
+    return out
+
+
+def to_local_optim_state(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sharded: Mapping[str, Any],
+    source: str,
+    copy: bool = True,
+) -> dict[str, Any]:
+    """Validate a name-keyed sharded optimizer state for this rank and turn it into ``load_state_dict`` form.
+
+    Raises ``ValueError`` naming ``source`` if groups or shapes do not fit; changes nothing. With ``copy``
+    the pieces are cloned (``Optimizer.load_state_dict`` keeps the tensors it is given).
+    """
+    params = _ordered_params(optimizer)
+    names = _optimizer_names(module, optimizer)
+    saved_groups = sharded["param_groups"]
+    now = [
+        [names[i] for i in range(start, start + len(g["params"]))] for g, start in _group_starts(optimizer)
+    ]
+    saved = [list(g["params"]) for g in saved_groups]
+    if [sorted(g) for g in saved] != [sorted(g) for g in now]:
+        raise ValueError(
+            f"{source}: the optimizer's param groups do not match the checkpoint's "
+            f"(saved group sizes {[len(g) for g in saved]}, now {[len(g) for g in now]}"
+            f"{_first_difference(saved, now)}). HINT: build the optimizer with the same parameter groups as when "
+            "the checkpoint was saved. Nothing was loaded."
+        )
+    position = {name: i for i, name in enumerate(names)}
+    state: dict[int, dict[str, Any]] = {}
+    for name, entries in sharded["state"].items():
+        if name not in position:
+            continue
+        pos = position[name]
+        converted: dict[str, Any] = {}
+        for key, value in entries.items():
+            if isinstance(value, ParamShard):
+                if value.local.numel() != params[pos].numel():
+                    raise ValueError(
+                        f"{source}: state {key!r} of {name!r} holds {value.local.numel()} elements here, the "
+                        f"parameter's piece {params[pos].numel()}. HINT: load sharded state through "
+                        "flatshard.load_checkpoint to change world size or wrap policy. Nothing was loaded."
+                    )
+                local = value.local.view(params[pos].shape)
+                converted[key] = local.clone() if copy else local
+            else:
+                converted[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        state[pos] = converted
+    groups = [
+        dict(g, params=[position[n] for n in now_g]) for g, now_g in zip(saved_groups, now, strict=True)
+    ]
+    return {"state": state, "param_groups": groups}
+
+
+def _group_starts(optimizer: torch.optim.Optimizer) -> list[tuple[dict[str, Any], int]]:
+    out, acc = [], 0
+    for g in optimizer.param_groups:
+        out.append((g, acc))
+        acc += len(g["params"])
+    return out
+
+
+def _first_difference(saved: list[list[str]], now: list[list[str]]) -> str:
+    for i, (a, b) in enumerate(zip(saved, now)):
+        missing, extra = sorted(set(b) - set(a)), sorted(set(a) - set(b))
+        if missing or extra:
+            return f"; group {i}: not in the checkpoint {missing[:4]}, only in the checkpoint {extra[:4]}"
+    return ""
