@@ -9,6 +9,7 @@ from flatshard.engine import BackwardPrefetch, CPUOffload, MixedPrecision, Shard
 from flatshard.engine.api import get_state_dict, set_state_dict
 from flatshard.engine.clip import clip_grad_norm_
 from flatshard.engine.sharded_state import ParamShard
+from flatshard.engine.unshard import unshard_params
 from flatshard.lightning import FlatShardFabricStrategy, FlatShardStrategy, register
 
 __version__ = "0.1.0"
@@ -33,4 +34,5 @@ __all__ = [
     "save_checkpoint",
     "set_state_dict",
     "shard",
+    "unshard_params",
 ]

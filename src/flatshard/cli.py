@@ -1,7 +1,9 @@
 """The ``flatshard`` command.
 
-``flatshard inspect CKPT`` summarises a full (consolidated) checkpoint: training progress, every
-parameter's shape and dtype, the optimizer states, and whether the file is readable at all.
+- ``flatshard inspect CKPT`` summarises a checkpoint (a full file or a sharded directory): training
+  progress, every parameter's shape and dtype, the optimizer states, and whether it is readable at all.
+- ``flatshard consolidate DIR OUT.ckpt`` turns a sharded checkpoint directory into one full checkpoint
+  file (a plain Lightning checkpoint), on one process, without a GPU or a process group.
 """
 
 from __future__ import annotations
@@ -25,10 +27,54 @@ def _human(n: float) -> str:
     return f"{n:.1f}T"
 
 
+def _inspect_sharded(path: str, show_all: bool) -> int:
+    from flatshard.checkpoint.sharded import ShardedReader
+
+    reader = ShardedReader(path)
+    meta = reader.meta
+    extra = reader.read_objects(["extra"]).get("extra") or {}
+    print(f"sharded checkpoint: {path}")
+    print(
+        f"  format {meta['format']} v{meta['version']}, written by {meta['world_size']} ranks "
+        f"(flatshard {meta['flatshard_version']}, torch {meta['torch_version']})"
+    )
+    for key in ("epoch", "global_step", "pytorch-lightning_version"):
+        if key in extra:
+            print(f"  {key}: {extra[key]}")
+    keys = meta.get("model_keys") or []
+    aliases = meta.get("aliases", {})
+    numel = 0
+    rows = []
+    for key in keys:
+        fqn = "model/" + aliases.get(key, key)
+        if reader.is_object(fqn):
+            rows.append((key, "object", ""))
+            continue
+        md = reader.tensor_meta(fqn)
+        shape = str(tuple(reader.full_shape(fqn)))
+        if key not in aliases and md is not None:
+            numel += md.size.numel()
+        dtype = str(md.properties.dtype).replace("torch.", "") if md is not None else "?"
+        rows.append((key, shape, dtype + (f" (tied to {aliases[key]})" if key in aliases else "")))
+    print(f"  state_dict: {len(keys)} entries, {_human(numel)} elements")
+    for key, shape, dtype in rows if show_all else rows[:20]:
+        print(f"    {key:<60} {shape:<20} {dtype}")
+    if not show_all and len(rows) > 20:
+        print(f"    ... {len(rows) - 20} more (use --all)")
+    for k in range(meta.get("num_optimizers") or 0):
+        state_keys = sorted({f.rpartition("/")[2] for f in reader.keys_with_prefix(f"optim/{k}/state/")})
+        print(f"  optimizer #{k}: state keys {state_keys}")
+    return 0
+
+
 def _inspect(path: str, show_all: bool) -> int:
+    from pathlib import Path
+
     from flatshard.checkpoint.files import CheckpointError, load_checkpoint_file
 
     try:
+        if Path(path).is_dir():
+            return _inspect_sharded(path, show_all)
         ckpt = load_checkpoint_file(path)
     except (CheckpointError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -61,15 +107,39 @@ def _inspect(path: str, show_all: bool) -> int:
     return 0
 
 
+def _consolidate(src: str, out: str) -> int:
+    import time
+
+    from flatshard.checkpoint import consolidate
+    from flatshard.checkpoint.files import CheckpointError
+
+    start = time.perf_counter()
+    try:
+        target = consolidate(src, out)
+    except (CheckpointError, FileNotFoundError, IsADirectoryError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    size = target.stat().st_size
+    print(f"wrote {target} ({size / 2**20:.1f} MiB) in {time.perf_counter() - start:.1f}s")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flatshard", description="flatshard checkpoint tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    inspect = sub.add_parser("inspect", help="summarise a full (consolidated) checkpoint file")
-    inspect.add_argument("checkpoint", help="path to a .ckpt file written by Trainer.save_checkpoint")
+    inspect = sub.add_parser("inspect", help="summarise a checkpoint (full file or sharded directory)")
+    inspect.add_argument("checkpoint", help="a .ckpt file or a sharded checkpoint directory")
     inspect.add_argument("--all", action="store_true", help="list every tensor, not only the first 20")
+    consolidate = sub.add_parser(
+        "consolidate", help="turn a sharded checkpoint directory into one full checkpoint file"
+    )
+    consolidate.add_argument("src", help="sharded checkpoint directory (state_dict_type='sharded')")
+    consolidate.add_argument("out", help="the full checkpoint file to write (replaced atomically if it exists)")
     args = parser.parse_args(argv)
     if args.command == "inspect":
         return _inspect(args.checkpoint, args.all)
+    if args.command == "consolidate":
+        return _consolidate(args.src, args.out)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -100,7 +100,6 @@ LATER_FEATURES = [
         {"activation_checkpointing_policy": {Block}},
         "activation_checkpointing_policy.*activation checkpointing",
     ),
-    ({"state_dict_type": "sharded"}, "state_dict_type.*sharded checkpoints"),
     ({"shard_group_size": 2}, "shard_group_size.*hybrid"),
     ({"process_group": object()}, "process_group.*hybrid"),
     ({"device_mesh": (1, 2)}, "device_mesh.*hybrid"),

@@ -142,6 +142,7 @@ class UnitState:
         self.forward_prefetch: bool = bool(config.get("forward_prefetch", False))
         self.training_state = TrainingState.IDLE
         self.forward_depth = 0
+        self.summoned = False  # inside flatshard.unshard_params: parameters are full, forward is refused
         self.ctx: RootContext | None = None
         self._hook_handles: list[Any] = []
         self._register_hooks()
@@ -170,6 +171,11 @@ class UnitState:
 
     # ------------------------------------------------------------------ forward
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        if self.summoned:
+            raise RuntimeError(
+                f"{_rank_prefix()}{type(self.module).__name__}.forward was called inside flatshard.unshard_params. "
+                "HINT: leave the unshard_params context before running forward or backward."
+            )
         if self.forward_depth == 0:
             ctx = self.ctx
             if ctx is None or (
@@ -201,6 +207,8 @@ class UnitState:
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.summoned:  # the pre-forward hook refused this forward (always_call runs us anyway)
+            return output
         self.forward_depth -= 1
         if self.forward_depth > 0:
             return output

@@ -41,6 +41,11 @@ def prepare_for_state_io(module: nn.Module, what: str) -> list[UnitState]:
             f"{what}: {type(module).__name__} is not sharded. HINT: call flatshard.shard() first."
         )
     for s in states:
+        if s.summoned:
+            raise RuntimeError(
+                f"{what} was called inside flatshard.unshard_params of {type(s.module).__name__}. HINT: call it "
+                "after leaving the unshard_params context."
+            )
         if s.training_state is not TrainingState.IDLE or s.forward_depth:
             raise RuntimeError(
                 f"{what} was called during the forward or backward of {type(s.module).__name__} "

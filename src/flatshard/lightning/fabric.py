@@ -97,6 +97,13 @@ class FlatShardFabricStrategy(ParallelStrategy):
             device_mesh=device_mesh,
             start_method=start_method,
         )
+        if state_dict_type == "sharded":
+            raise NotImplementedError(
+                "FlatShardFabricStrategy(state_dict_type='sharded') is not available yet: Fabric saves full "
+                "checkpoints for now (sharded Fabric checkpoints come with the ecosystem work). HINT: use "
+                "state_dict_type='full', or flatshard.save_checkpoint(path, module, optimizer, "
+                "state_dict_type='sharded') from the Fabric loop."
+            )
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout

@@ -97,8 +97,6 @@ class StrategyOptions:
                 raise TypeError(f"{arg} must be a bool, got {type(value).__name__}: {value!r}.")
         if state_dict_type not in _STATE_DICT_TYPES:
             raise ValueError(f"state_dict_type={state_dict_type!r} is not one of {_STATE_DICT_TYPES}.")
-        if state_dict_type == "sharded":
-            raise _later("state_dict_type", state_dict_type, "sharded checkpoints", "the checkpoints issue")
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method={start_method!r} is not one of {_START_METHODS}.")
         return cls(

@@ -24,15 +24,16 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
-from flatshard.checkpoint.files import CheckpointError, atomic_save, load_checkpoint_file
+from flatshard.checkpoint import load_into
+from flatshard.checkpoint.files import atomic_save
+from flatshard.checkpoint.sharded import write_sharded_checkpoint
 from flatshard.engine import shard
 from flatshard.engine.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from flatshard.engine.optim_state import convert_full_optim_state_dict, full_optim_state_dict
+from flatshard.engine.optim_state import full_optim_state_dict
 from flatshard.engine.shard import is_sharded
+from flatshard.engine.sharded_state import sharded_model_state_dict, sharded_optim_state_dict
 from flatshard.engine.state_dict import (
-    check_full_model_state_dict,
     full_model_state_dict,
-    load_full_model_state_dict,
 )
 from flatshard.lightning.distributed import (
     barrier,
@@ -84,7 +85,9 @@ class FlatShardStrategy(ParallelStrategy):
             gradient computation), ``"BACKWARD_POST"`` (after it: less memory) or ``None``.
         forward_prefetch: gather the next unit before the current unit's forward. Default: ``False``.
         state_dict_type: ``"full"``: one consolidated file from rank 0 (a plain Lightning checkpoint).
-            ``"sharded"`` comes in a later release. Default: ``"full"``.
+            ``"sharded"``: a directory where every rank writes its own pieces without gathering; it resumes on
+            any number of devices and ``flatshard consolidate DIR OUT.ckpt`` turns it into a full file.
+            Loading accepts either kind whatever this is set to. Default: ``"full"``.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding. Default: ``False``.
         shard_group_size, process_group, device_mesh: hybrid sharding, a later release; must be ``None``.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default: by device.
@@ -308,6 +311,8 @@ class FlatShardStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.model is not None
+        if self.options.state_dict_type == "sharded":
+            return sharded_model_state_dict(self.model)  # views of this rank's pieces, no communication
         return full_model_state_dict(self.model, rank0_only=True, cpu_offload=True)
 
     @override
@@ -315,6 +320,8 @@ class FlatShardStrategy(ParallelStrategy):
         assert self.model is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
+        if self.options.state_dict_type == "sharded":
+            return sharded_optim_state_dict(self.model, optimizer)
         return full_optim_state_dict(self.model, optimizer, rank0_only=True, cpu_offload=True)
 
     @override
@@ -329,50 +336,39 @@ class FlatShardStrategy(ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
+        """Write a full file from rank 0, or (``state_dict_type="sharded"``) a directory from every rank."""
         if storage_options is not None:
             raise TypeError(
                 "FlatShardStrategy.save_checkpoint(..., storage_options=...) is not supported: flatshard writes "
                 "checkpoints itself. HINT: drop storage_options."
             )
-        if self.is_global_zero:
+        if self.options.state_dict_type == "sharded":
+            write_sharded_checkpoint(checkpoint, filepath)
+        elif self.is_global_zero:
             atomic_save(checkpoint, filepath)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            super().remove_checkpoint(filepath)
+            super().remove_checkpoint(filepath)  # recursive: removes sharded directories too
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a full file or a sharded directory (any world size): model and optimizers, validated first.
+
+        Returns the rest of the checkpoint for Lightning to restore loops, callbacks and schedulers.
+        """
         path = self.broadcast(checkpoint_path)
         assert self.model is not None and self.lightning_module is not None
-        checkpoint = load_checkpoint_file(path, weights_only=weights_only)
-        if "state_dict" not in checkpoint:
-            raise CheckpointError(
-                f"Checkpoint {path} has no 'state_dict' entry (keys: {sorted(checkpoint)[:8]}). HINT: pass a "
-                "checkpoint written by Trainer.save_checkpoint."
-            )
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        optimizer_states = checkpoint.get("optimizer_states") if fitting else None
-        if optimizer_states is not None and len(optimizer_states) != len(self.optimizers):
-            raise CheckpointError(
-                f"Checkpoint {path} holds {len(optimizer_states)} optimizer states but the model configures "
-                f"{len(self.optimizers)} optimizers. HINT: resume with the same configure_optimizers()."
-            )
-        try:  # validate model and optimizer state completely before changing anything
-            model_state = checkpoint["state_dict"]
-            strict = self.lightning_module.strict_loading
-            check_full_model_state_dict(self.model, model_state, strict=strict, source=str(path))
-            local_optim_states = [
-                convert_full_optim_state_dict(self.model, opt, state, source=f"{path} (optimizer #{i})")
-                for i, (opt, state) in enumerate(zip(self.optimizers, optimizer_states or []))
-            ]
-            load_full_model_state_dict(self.model, model_state, strict=strict, source=str(path))
-        except ValueError as err:
-            raise CheckpointError(str(err)) from err
-        for opt, local in zip(self.optimizers, local_optim_states):
-            opt.load_state_dict(local)
-        return checkpoint
+        return load_into(
+            path,
+            self.model,
+            list(self.optimizers) if fitting else [],
+            strict=self.lightning_module.strict_loading,
+            load_optimizer_states=fitting,
+            weights_only=weights_only,
+        )
 
     # ------------------------------------------------------------------ teardown / registry
     @override
