@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from flatshard.cli import main
 from flatshard.checkpoint.files import atomic_save
+from flatshard.cli import main
 from flatshard.testing.models import TinyGPT
 
 
