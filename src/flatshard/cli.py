@@ -134,7 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "consolidate", help="turn a sharded checkpoint directory into one full checkpoint file"
     )
     consolidate.add_argument("src", help="sharded checkpoint directory (state_dict_type='sharded')")
-    consolidate.add_argument("out", help="the full checkpoint file to write (replaced atomically if it exists)")
+    consolidate.add_argument(
+        "out", help="the full checkpoint file to write (replaced atomically if it exists)"
+    )
     args = parser.parse_args(argv)
     if args.command == "inspect":
         return _inspect(args.checkpoint, args.all)

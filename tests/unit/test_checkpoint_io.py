@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +26,33 @@ def test_atomic_save_replaces_and_leaves_no_temp(tmp_path: Path) -> None:
     atomic_save({"state_dict": {"w": torch.zeros(3)}}, path)
     assert torch.equal(load_checkpoint_file(path)["state_dict"]["w"], torch.zeros(3))
     assert [p.name for p in path.parent.iterdir()] == ["a.ckpt"]
+
+
+def test_atomic_save_mode_follows_umask_and_existing_file(tmp_path: Path) -> None:
+    old = os.umask(0o027)
+    try:
+        path = tmp_path / "a.ckpt"
+        atomic_save({"w": torch.ones(1)}, path)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640  # what open() would give, not mkstemp's 0600
+        path.chmod(0o604)
+        atomic_save({"w": torch.zeros(1)}, path)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o604  # a replaced file keeps its permissions
+    finally:
+        os.umask(old)
+
+
+def test_atomic_save_removes_temporaries_of_dead_processes(tmp_path: Path) -> None:
+    path = tmp_path / "a.ckpt"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    stale = tmp_path / f".a.ckpt.{host}-{dead.pid}.x1y2.tmp"
+    live = tmp_path / f".a.ckpt.{host}-{os.getpid()}.x1y2.tmp"  # a save in progress: left alone
+    other = tmp_path / f".b.ckpt.{host}-{dead.pid}.x1y2.tmp"  # another checkpoint's: left alone
+    for f in (stale, live, other):
+        f.write_bytes(b"partial")
+    atomic_save({"w": torch.ones(1)}, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["a.ckpt", live.name, other.name])
 
 
 def test_failed_save_keeps_previous_checkpoint(tmp_path: Path) -> None:

@@ -29,8 +29,9 @@ from flatshard.checkpoint.sharded import (
     is_sharded_checkpoint,
     write_sharded_checkpoint,
 )
+from flatshard.engine.api import get_state_dict
 from flatshard.engine.handle import handle_of_param
-from flatshard.engine.optim_state import convert_full_optim_state_dict, full_optim_state_dict
+from flatshard.engine.optim_state import convert_full_optim_state_dict
 from flatshard.engine.sharded_state import (
     ParamShard,
     local_param_targets,
@@ -42,7 +43,6 @@ from flatshard.engine.sharded_state import (
 )
 from flatshard.engine.state_dict import (
     check_full_model_state_dict,
-    full_model_state_dict,
     load_full_model_state_dict,
     prepare_for_state_io,
 )
@@ -93,9 +93,10 @@ def save_checkpoint(
     checkpoint = dict(extra or {})
     optimizers = _optimizers(optimizer)
     if state_dict_type == "full":
-        checkpoint["state_dict"] = full_model_state_dict(module, rank0_only=True, cpu_offload=True)
+        model_state, optim_states = get_state_dict(module, optimizers, rank0_only=True, cpu_offload=True)
+        checkpoint["state_dict"] = model_state
         if optimizers:
-            checkpoint["optimizer_states"] = [full_optim_state_dict(module, o) for o in optimizers]
+            checkpoint["optimizer_states"] = optim_states
         if _rank() == 0:
             atomic_save(checkpoint, path)
         if dist.is_available() and dist.is_initialized():

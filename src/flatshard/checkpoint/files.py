@@ -7,8 +7,10 @@ renamed over it: a crash mid-save leaves the previous checkpoint intact.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import socket
 import tempfile
 import zipfile
 from pathlib import Path
@@ -24,14 +26,25 @@ class CheckpointError(ValueError):
 
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
-    """``torch.save`` to ``path`` via a temporary file, fsync and rename."""
+    """``torch.save`` to ``path`` via a temporary file, fsync and rename.
+
+    The file gets the permissions ``open()`` would give it (those of the file it replaces, else
+    ``0o666`` less the umask), and temporary files left by an earlier save of the same name on this host
+    whose process is gone are removed.
+    """
     target = Path(path)
     if target.is_dir():
         raise IsADirectoryError(f"Cannot write the checkpoint {target}: a directory of that name exists.")
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    _remove_stale_temporaries(target)
+    mode = target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_umask()
+    fd, tmp_name = tempfile.mkstemp(
+        prefix=f"{_temp_prefix(target)}{os.getpid()}.", suffix=".tmp", dir=target.parent
+    )
     try:
         with os.fdopen(fd, "wb") as f:
+            if hasattr(os, "fchmod"):
+                os.fchmod(f.fileno(), mode)
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
@@ -42,6 +55,50 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
         raise
     fsync_dir(target.parent)
     return target
+
+
+def _temp_prefix(target: Path) -> str:
+    return f".{target.name}.{socket.gethostname()}-"
+
+
+def _remove_stale_temporaries(target: Path) -> None:
+    """Delete ``.NAME.HOST-PID.*.tmp`` files of this host whose process no longer runs (a killed save)."""
+    prefix = _temp_prefix(target)
+    try:
+        names = os.listdir(target.parent)
+    except OSError:
+        return
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith(".tmp")):
+            continue
+        pid_text = name[len(prefix) :].split(".", 1)[0]
+        if not pid_text.isdigit() or _alive(int(pid_text)):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(target.parent / name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    current = os.umask(0o022)  # no /proc: read it by setting it (and restore at once)
+    os.umask(current)
+    return current
 
 
 def fsync_dir(directory: Path) -> None:

@@ -8,7 +8,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from flatshard.engine.optim_state import convert_full_optim_state_dict, full_optim_state_dict
+from flatshard.engine.gather import open_streams
+from flatshard.engine.memory import Prefaulter
+from flatshard.engine.optim_state import convert_full_optim_state_dict, plan_full_optim_state_dict
 from flatshard.engine.sharded_state import (
     ParamShard,
     local_param_targets,
@@ -19,8 +21,9 @@ from flatshard.engine.sharded_state import (
 )
 from flatshard.engine.state_dict import (
     check_full_model_state_dict,
-    full_model_state_dict,
+    global_rank,
     load_full_model_state_dict,
+    plan_full_model_state_dict,
 )
 
 __all__ = ["get_state_dict", "set_state_dict"]
@@ -57,13 +60,27 @@ def get_state_dict(
         if isinstance(optimizer, torch.optim.Optimizer):
             return sharded_model, sharded_optim_state_dict(module, optimizer)
         return sharded_model, [sharded_optim_state_dict(module, o) for o in optimizer]
-    model_state = full_model_state_dict(module, rank0_only=rank0_only, cpu_offload=cpu_offload)
+    # Every output is allocated before anything moves (see [Note: prefaulting outputs]); one stream per
+    # process group carries the model and every optimizer.
+    keep = global_rank() == 0 or not rank0_only
+    prefault = Prefaulter()
+    model_run = plan_full_model_state_dict(module, keep=keep, cpu_offload=cpu_offload, prefault=prefault)
+    optimizers = (
+        []
+        if optimizer is None
+        else [optimizer]
+        if isinstance(optimizer, torch.optim.Optimizer)
+        else list(optimizer)
+    )
+    optim_runs = [
+        plan_full_optim_state_dict(module, o, keep=keep, cpu_offload=cpu_offload, prefault=prefault)
+        for o in optimizers
+    ]
+    with prefault, open_streams(keep) as stream_of:
+        model_state = model_run(stream_of)
+        states = [run(stream_of) for run in optim_runs]
     if optimizer is None:
         return model_state, None
-    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-    states = [
-        full_optim_state_dict(module, o, rank0_only=rank0_only, cpu_offload=cpu_offload) for o in optimizers
-    ]
     return model_state, states[0] if isinstance(optimizer, torch.optim.Optimizer) else states
 
 

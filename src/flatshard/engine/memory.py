@@ -16,30 +16,27 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import functools
+import mmap
 import os
 import sys
+import threading
 
 import torch
 
-__all__ = ["advise_hugepages", "empty_flat"]
+__all__ = ["Prefaulter", "advise_hugepages", "empty_flat", "empty_mapped"]
 
 _MADV_HUGEPAGE = 14  # linux/mman.h
+_MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux >= 5.14
 _PAGE = 4096
 _MIN_BYTES = 4 << 20  # below two huge pages there is nothing to gain
 
 
 @functools.cache
-def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """libc's ``madvise`` when huge pages can be requested on this system, else ``None``."""
-    if not sys.platform.startswith("linux") or os.environ.get("FLATSHARD_CPU_HUGEPAGES", "1") == "0":
-        return None
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            mode = f.read()
-    except OSError:
-        return None
-    if "[madvise]" not in mode and "[always]" not in mode:
+def _libc_madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """libc's ``madvise`` on Linux (called with the GIL released), else ``None``."""
+    if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -49,6 +46,21 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
+
+
+@functools.cache
+def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """libc's ``madvise`` when huge pages can be requested on this system, else ``None``."""
+    if os.environ.get("FLATSHARD_CPU_HUGEPAGES", "1") == "0":
+        return None
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read()
+    except OSError:
+        return None
+    if "[madvise]" not in mode and "[always]" not in mode:
+        return None
+    return _libc_madvise()
 
 
 def advise_hugepages(t: torch.Tensor) -> None:
@@ -72,3 +84,94 @@ def empty_flat(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Te
     t = torch.empty(numel, dtype=dtype, device=device)
     advise_hugepages(t)
     return t
+
+
+def empty_mapped(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor in a private anonymous mapping of its own (large blocks only).
+
+    Unlike an allocation that glibc may carve from recycled heap memory or map, it is always fresh,
+    page-aligned memory that :class:`Prefaulter` can back in one call, and it is unmapped as soon as the
+    tensor is freed. Its storage is not shared with any other tensor.
+    """
+    numel = 1
+    for n in shape:
+        numel *= int(n)
+    nbytes = numel * dtype.itemsize
+    if nbytes < _MIN_BYTES or not sys.platform.startswith("linux"):
+        return torch.empty(shape, dtype=dtype)
+    block = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(block, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
+
+
+class Prefaulter:
+    """Faults in the pages of fresh, large CPU tensors on a helper thread, in the order they were added.
+
+    [Note: prefaulting outputs]
+    A full state dict is gigabytes of freshly allocated memory on the ranks that keep it, and the kernel
+    backs it one page fault at a time on first write: on the machines measured in ``docs/benchmarks.md``
+    that costs more than copying the data in. ``madvise(MADV_POPULATE_WRITE)`` backs a whole range in one
+    call, without the per-page traps, and releases the GIL, so a helper thread populates the outputs
+    ahead of the copies that fill them. Whichever touches a page first faults it; the contents never
+    change, so nothing waits on the thread. Linux >= 5.14 only (elsewhere, or with
+    ``FLATSHARD_PREFAULT=0``, it does nothing).
+    """
+
+    _supported = True  # cleared for the process when the kernel refuses MADV_POPULATE_WRITE
+    _PIECE = 32 << 20  # madvise granularity: the unit of work of a thread, and how long close() waits
+
+    def __init__(self, threads: int = int(os.environ.get("FLATSHARD_PREFAULT_THREADS", "2"))) -> None:
+        self._tensors: list[torch.Tensor] = []
+        self._pieces: list[tuple[int, int]] = []
+        self._next = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._count = max(1, threads)
+        self._fn = _libc_madvise() if os.environ.get("FLATSHARD_PREFAULT", "1") != "0" else None
+
+    def add(self, t: torch.Tensor) -> None:
+        if self._fn is None or not Prefaulter._supported or t.device.type != "cpu":
+            return
+        storage = t.untyped_storage()
+        if storage.nbytes() < _MIN_BYTES:
+            return
+        self._tensors.append(t)  # alive until close(): its pages are never someone else's
+        start = -(-storage.data_ptr() // _PAGE) * _PAGE
+        end = (storage.data_ptr() + storage.nbytes()) // _PAGE * _PAGE
+        for a in range(start, end, self._PIECE):
+            self._pieces.append((a, min(self._PIECE, end - a)))
+
+    def start(self) -> Prefaulter:
+        if self._pieces and not self._threads:
+            for i in range(min(self._count, len(self._pieces))):
+                thread = threading.Thread(target=self._run, name=f"flatshard-prefault-{i}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
+        self._tensors = []
+        self._pieces = []
+
+    def __enter__(self) -> Prefaulter:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        fn = self._fn
+        assert fn is not None
+        while not self._stop.is_set():
+            with self._lock:  # pieces in order, so the threads stay ahead of the copies
+                if self._next >= len(self._pieces):
+                    return
+                start, n = self._pieces[self._next]
+                self._next += 1
+            if fn(start, n, _MADV_POPULATE_WRITE) != 0 and ctypes.get_errno() == errno.EINVAL:
+                Prefaulter._supported = False  # an older kernel: the copies fault as usual
+                return

@@ -3,27 +3,32 @@
 [Note: optimizer state consolidation]
 An elementwise optimizer's per-parameter tensors (``exp_avg``, ``momentum_buffer``...) have the shape of
 the local parameter piece, so a unit's state for one key is laid out exactly like its flat parameter.
-Gathering is therefore one ``all_gather`` per (unit, key) into a flat buffer that is split into full-shape
-tensors, never one broadcast per rank. Everything that is not such a tensor (``step``, hyper-parameters,
+Gathering is therefore one stream per (unit, key) of the shards straight into full-shape tensors (see
+[Note: streamed full-state gathers]), never one broadcast per rank. Everything that is not such a tensor (``step``, hyper-parameters,
 which keys exist and their dtypes) travels in a single object collective per optimizer.
 Indices follow ``param_groups`` order, as ``torch.optim.Optimizer.state_dict()`` numbers them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from flatshard.engine import comm
-from flatshard.engine.flat_param import split_flat
+from flatshard.engine.gather import StreamFactory, UnitOutputs, open_streams
 from flatshard.engine.handle import FlatParamHandle, handle_of_param
+from flatshard.engine.memory import Prefaulter
 from flatshard.engine.state_dict import global_rank, prepare_for_state_io
 
-__all__ = ["convert_full_optim_state_dict", "full_optim_state_dict", "load_full_optim_state_dict"]
+__all__ = [
+    "convert_full_optim_state_dict",
+    "full_optim_state_dict",
+    "load_full_optim_state_dict",
+    "plan_full_optim_state_dict",
+]
 
 
 def _ordered_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -48,6 +53,22 @@ def full_optim_state_dict(
     module: nn.Module, optimizer: torch.optim.Optimizer, *, rank0_only: bool = True, cpu_offload: bool = True
 ) -> dict[str, Any]:
     """Gather the full optimizer state (see [Note: optimizer state consolidation]). Run on all ranks."""
+    keep = global_rank() == 0 or not rank0_only
+    prefault = Prefaulter()
+    run = plan_full_optim_state_dict(module, optimizer, keep=keep, cpu_offload=cpu_offload, prefault=prefault)
+    with prefault, open_streams(keep) as stream_of:
+        return run(stream_of)
+
+
+def plan_full_optim_state_dict(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    keep: bool,
+    cpu_offload: bool,
+    prefault: Prefaulter,
+) -> Callable[[StreamFactory], dict[str, Any]]:
+    """Agree on the state's metadata and allocate the outputs; the returned function streams (all ranks)."""
     prepare_for_state_io(module, "get_state_dict")
     params = _ordered_params(optimizer)
     located = _locate(params)
@@ -69,7 +90,6 @@ def full_optim_state_dict(
         dist.all_gather_object(everyone, meta)
         for other in everyone:
             meta.update(other)
-    keep = global_rank() == 0 or not rank0_only
     state: dict[int, dict[str, Any]] = {}
     if keep:
         for idx, entries in local["state"].items():
@@ -81,34 +101,51 @@ def full_optim_state_dict(
                 for k, v in entries.items()
                 if not _is_sharded_state(handle, v)
             }
-    # Sharded tensors: one all_gather per (unit, key), in a fixed order on every rank.
+    # Sharded tensors: one stream per (unit, key), in a fixed order on every rank.
     by_unit: dict[int, tuple[FlatParamHandle, dict[str, list[int]]]] = {}
     for idx, key in sorted(meta, key=lambda t: (t[0], t[1])):
         handle = located[idx][0]
         assert handle is not None
         by_unit.setdefault(id(handle), (handle, {}))[1].setdefault(key, []).append(idx)
+    # All outputs first (they are the result: no extra peak), so that their pages are faulted in ahead.
+    prefault = Prefaulter()
+    steps: list[tuple[FlatParamHandle, str, list[int], UnitOutputs | None]] = []
     for handle, keys in sorted(by_unit.values(), key=lambda hk: _unit_order(module, hk[0])):
         for key in sorted(keys):
             idxs = keys[key]
+            out_device = torch.device("cpu") if cpu_offload else handle.sharded.device
+            wanted = [located[idx][1] for idx in idxs]
             dtype = meta[(idxs[0], key)]
-            shard = torch.zeros(handle.layout.shard_numel, dtype=dtype, device=handle.sharded.device)
+            steps.append(
+                (
+                    handle,
+                    key,
+                    idxs,
+                    UnitOutputs(handle.layout, wanted, dtype, out_device, prefault) if keep else None,
+                )
+            )
+
+    def run(stream_of: StreamFactory) -> dict[str, Any]:
+        for handle, key, idxs, outputs in steps:
+            dtype = meta[(idxs[0], key)]
+            pieces: list[tuple[int, torch.Tensor]] = []
             for idx in idxs:
                 info = handle.shard_infos[located[idx][1]]
                 value = local["state"].get(idx, {}).get(key)
                 if value is not None and info.numel_in_shard:
-                    shard[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard].copy_(
-                        value.reshape(-1)
-                    )
-            full = torch.empty(handle.layout.padded_numel, dtype=dtype, device=shard.device)
-            comm.all_gather_flat(full, shard, handle.shard_group, async_op=False)
-            if keep:
-                views = split_flat(full, handle.layout)
+                    pieces.append((info.offset_in_shard, value.detach().reshape(-1)))
+            pieces.sort(key=lambda piece: piece[0])
+            stream_of(handle.shard_group, handle.sharded.device).gather(
+                handle.layout.shard_numel, dtype, pieces, outputs.deliver if outputs else None
+            )
+            if outputs is not None:
                 for idx in idxs:
-                    state.setdefault(idx, {})[key] = _copy(views[located[idx][1]], cpu_offload)
-            del full, shard
-    if not keep:
-        return {}
-    return {"state": dict(sorted(state.items())), "param_groups": local["param_groups"]}
+                    state.setdefault(idx, {})[key] = outputs.tensors[located[idx][1]]
+        if not keep:
+            return {}
+        return {"state": dict(sorted(state.items())), "param_groups": local["param_groups"]}
+
+    return run
 
 
 def _copy(t: torch.Tensor, cpu_offload: bool) -> torch.Tensor:

@@ -7,7 +7,7 @@ A full state dict has exactly the keys, shapes and dtypes of the plain module's 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -15,8 +15,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from flatshard.engine import comm
-from flatshard.engine.flat_param import split_flat
+from flatshard.engine.gather import StreamFactory, UnitOutputs, open_streams
 from flatshard.engine.handle import FlatParamHandle, handle_of_param
+from flatshard.engine.memory import Prefaulter
 from flatshard.engine.runtime import TrainingState, UnitState
 from flatshard.engine.shard import unit_states
 
@@ -25,6 +26,7 @@ __all__ = [
     "full_model_state_dict",
     "gather_full_flat",
     "load_full_model_state_dict",
+    "plan_full_model_state_dict",
     "prepare_for_state_io",
 ]
 
@@ -74,27 +76,64 @@ def _copy_out(t: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
 def full_model_state_dict(
     module: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True
 ) -> dict[str, Any]:
-    """Gather the full model state; with ``rank0_only`` other ranks return ``{}``. Must run on all ranks."""
-    states = prepare_for_state_io(module, "get_state_dict")
+    """Gather the full model state; with ``rank0_only`` other ranks return ``{}``. Must run on all ranks.
+
+    Each unit's shards stream in chunks straight into the returned full-shape tensors
+    (see [Note: streamed full-state gathers]); no rank ever holds a unit's flat parameter unsharded.
+    """
     keep = global_rank() == 0 or not rank0_only
-    gathered: dict[int, torch.Tensor] = {}
-    for s in states:
-        if s.handle is None:
-            continue
-        full = gather_full_flat(s.handle)  # one unit unsharded at a time
-        if keep:
-            for p, view in zip(s.handle.params, split_flat(full, s.handle.layout), strict=False):
-                gathered[id(p)] = _copy_out(view, cpu_offload)
-        del full
-    if not keep:
-        return {}
-    out: dict[str, Any] = {}
-    for key, value in module.state_dict(keep_vars=True).items():
-        if isinstance(value, torch.Tensor):
-            out[key] = gathered[id(value)] if id(value) in gathered else _copy_out(value, cpu_offload)
-        else:
-            out[key] = value
-    return out
+    prefault = Prefaulter()
+    run = plan_full_model_state_dict(module, keep=keep, cpu_offload=cpu_offload, prefault=prefault)
+    with prefault, open_streams(keep) as stream_of:
+        return run(stream_of)
+
+
+def plan_full_model_state_dict(
+    module: nn.Module, *, keep: bool, cpu_offload: bool, prefault: Prefaulter
+) -> Callable[[StreamFactory], dict[str, Any]]:
+    """Check the module and allocate the outputs (handed to ``prefault``); the returned function streams.
+
+    Split so that a caller gathering model and optimizer state allocates every output before the first
+    byte moves (see [Note: prefaulting outputs]).
+    """
+    states = prepare_for_state_io(module, "get_state_dict")
+    handles = [s.handle for s in states if s.handle is not None]
+    outputs: list[UnitOutputs | None] = [
+        UnitOutputs(
+            h.layout,
+            range(len(h.params)),
+            h.dtype,
+            torch.device("cpu") if cpu_offload else h.sharded.device,
+            prefault,
+        )
+        if keep
+        else None
+        for h in handles
+    ]
+
+    def run(stream_of: StreamFactory) -> dict[str, Any]:
+        gathered: dict[int, torch.Tensor] = {}
+        for h, unit_out in zip(handles, outputs, strict=True):
+            stream_of(h.shard_group, h.sharded.device).gather(
+                h.layout.shard_numel,
+                h.dtype,
+                [(0, h.sharded.detach())],
+                unit_out.deliver if unit_out else None,
+            )
+            if unit_out is not None:
+                for i, p in enumerate(h.params):
+                    gathered[id(p)] = unit_out.tensors[i]
+        if not keep:
+            return {}
+        out: dict[str, Any] = {}
+        for key, value in module.state_dict(keep_vars=True).items():
+            if isinstance(value, torch.Tensor):
+                out[key] = gathered[id(value)] if id(value) in gathered else _copy_out(value, cpu_offload)
+            else:
+                out[key] = value
+        return out
+
+    return run
 
 
 def _expected_shapes(module: nn.Module) -> dict[str, tuple[torch.Size, FlatParamHandle | None, int]]:

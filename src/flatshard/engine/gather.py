@@ -1,0 +1,347 @@
+"""Streaming a unit's flat tensors (parameters, optimizer state) to the ranks that keep a full state.
+
+[Note: streamed full-state gathers]
+A full state dict needs, on the ranks that keep it (rank 0 alone by default), every unit's whole flat
+parameter and every elementwise optimizer state laid out like it. Two rules shape how it travels:
+
+* **Bounded memory.** A shard is sent in chunks of at most ``chunk_bytes``; a rank that keeps nothing
+  holds no more than two chunks extra, a keeping rank no more than its outputs plus two chunks per
+  peer. Outputs are written in place, piece by piece, into the full-shape tensors that are returned:
+  there is no gathered flat copy and no second copy to CPU.
+* **The cheapest transport that is correct.** Ranks of one host exchanging CPU tensors use shared
+  memory: each sending rank owns a two-slot segment in ``/dev/shm``; for chunk ``k`` it fills slot
+  ``k % 2``, all ranks pass one barrier, and the receivers copy straight out of the slot into their
+  outputs while the senders fill the other slot. A sender reuses a slot only after the next barrier,
+  which no receiver enters before it has finished reading that slot. This moves each byte with one
+  memory copy on each side, where a gloo collective over loopback TCP moves it several times (measured
+  in ``docs/benchmarks.md``). Anything else (several hosts, CUDA tensors, no usable ``/dev/shm``) uses
+  collectives per chunk: ``gather`` to the one keeping rank on gloo, ``all_gather`` otherwise.
+
+The transport is agreed on by all ranks of the group in one object collective when the stream opens,
+so a rank that cannot map a peer's segment makes every rank fall back, never hang. Segments are
+unlinked as soon as every peer has mapped them: nothing is left in ``/dev/shm`` if a process dies.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import mmap
+import os
+import socket
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flatshard.engine.flat_param import FlatLayout
+from flatshard.engine.memory import Prefaulter, empty_mapped
+
+__all__ = ["FlatStream", "Piece", "StreamFactory", "UnitOutputs", "open_streams"]
+
+Piece = tuple[int, torch.Tensor]
+"""``(offset in the local shard, 1-D tensor)``: part of this rank's shard of one flat tensor."""
+
+ProcessGroup = Any
+
+DEFAULT_CHUNK_BYTES = 32 << 20
+_SHM_DIR = "/dev/shm"
+
+
+def _host_key() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+class _Segment:
+    """A shared-memory file mapped into this process (created by its owner, opened by peers)."""
+
+    def __init__(self, path: str, nbytes: int, create: bool) -> None:
+        self.path = path
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                # Reserve the space now: a full tmpfs then fails here, not with SIGBUS on first write.
+                os.posix_fallocate(fd, 0, nbytes)
+            self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            if create:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            raise
+        os.close(fd)
+        self.bytes: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def slot(self, index: int, slot_bytes: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        assert self.bytes is not None
+        start = index * slot_bytes
+        return self.bytes[start : start + numel * dtype.itemsize].view(dtype)
+
+    def close(self) -> None:
+        self.bytes = None
+        with contextlib.suppress(BufferError):  # a view still alive: the map goes with it
+            self._map.close()
+
+
+class FlatStream:
+    """Streams shards of flat tensors within one shard group; opened collectively, see [Note: streamed
+    full-state gathers]. Every rank of ``group`` must make the same sequence of :meth:`gather` calls."""
+
+    def __init__(
+        self,
+        group: ProcessGroup | None,
+        keep: bool,
+        device: torch.device,
+        chunk_bytes: int | None = None,
+    ) -> None:
+        self.group = group
+        self.device = device
+        chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+        self.chunk_bytes = max(4096, chunk_bytes - chunk_bytes % 4096)
+        distributed = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size(group) if distributed else 1
+        self.rank = dist.get_rank(group) if distributed else 0
+        self.keep = keep
+        self.keepers: list[int] = [self.rank] if keep else []
+        self.transport = "local"
+        self._segments: dict[int, _Segment] = {}
+        self._own: _Segment | None = None
+        self._step = 0
+        self._send: torch.Tensor | None = None
+        self._recv: torch.Tensor | None = None
+        if self.world > 1:
+            self._open()
+
+    # -- setup -------------------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        own_path: str | None = None
+        error = ""
+        if (
+            self.device.type == "cpu"
+            and os.path.isdir(_SHM_DIR)
+            and os.environ.get("FLATSHARD_SHM", "1") != "0"
+        ):
+            own_path = os.path.join(_SHM_DIR, f"flatshard-{uuid.uuid4().hex}")
+            try:
+                self._own = _Segment(own_path, 2 * self.chunk_bytes, create=True)
+            except (OSError, ValueError, RuntimeError) as err:
+                own_path, error = None, f"{type(err).__name__}: {err}"
+        mine = {"host": _host_key(), "keep": self.keep, "path": own_path, "error": error}
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self.group)
+        self.keepers = [r for r, info in enumerate(everyone) if info["keep"]]
+        sends = any(r != self.rank for r in self.keepers)
+        usable = all(info["path"] for info in everyone) and len({info["host"] for info in everyone}) == 1
+        opened = 1
+        if usable and self.keep:
+            try:
+                for r, info in enumerate(everyone):
+                    if r != self.rank:
+                        self._segments[r] = _Segment(info["path"], 2 * self.chunk_bytes, create=False)
+            except (OSError, ValueError, RuntimeError):
+                opened = 0
+        if usable:
+            flag = torch.tensor([opened], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+            usable = bool(flag.item())
+        if own_path is not None:  # every peer has mapped it (or gave up): the name is no longer needed
+            with contextlib.suppress(OSError):
+                os.unlink(own_path)
+        if usable:
+            self.transport = "shm"
+            if not sends and self._own is not None:
+                self._own.close()
+                self._own = None
+        else:
+            self.close()
+            self.transport = "collective"
+
+    def close(self) -> None:
+        for seg in self._segments.values():
+            seg.close()
+        self._segments.clear()
+        if self._own is not None:
+            self._own.close()
+            self._own = None
+        self._send = self._recv = None
+
+    # -- streaming ---------------------------------------------------------------------------------
+
+    def gather(
+        self,
+        shard_numel: int,
+        dtype: torch.dtype,
+        pieces: Sequence[Piece],
+        deliver: Callable[[int, torch.Tensor], None] | None,
+    ) -> None:
+        """Send this rank's ``pieces`` of a flat tensor whose shards have ``shard_numel`` elements.
+
+        On keeping ranks ``deliver(flat_start, data)`` is called until every element of the padded flat
+        tensor was delivered once (``data`` is 1-D and only valid during the call; uncovered parts of a
+        shard arrive as zeros). Other ranks pass ``deliver=None``.
+        """
+        if self.keep:
+            assert deliver is not None
+            base = self.rank * shard_numel
+            for offset, t in pieces:
+                if t.numel():
+                    deliver(base + offset, t)
+        if self.world == 1 or not self.keepers or shard_numel == 0:
+            return
+        chunk = max(1, self.chunk_bytes // dtype.itemsize)
+        for c0 in range(0, shard_numel, chunk):
+            c1 = min(shard_numel, c0 + chunk)
+            if self.transport == "shm":
+                self._shm_step(c0, c1, dtype, pieces, deliver, shard_numel)
+            else:
+                self._collective_step(c0, c1, dtype, pieces, deliver, shard_numel)
+
+    def _shm_step(
+        self,
+        c0: int,
+        c1: int,
+        dtype: torch.dtype,
+        pieces: Sequence[Piece],
+        deliver: Callable[[int, torch.Tensor], None] | None,
+        shard_numel: int,
+    ) -> None:
+        slot = self._step % 2
+        self._step += 1
+        if self._own is not None:
+            _fill(self._own.slot(slot, self.chunk_bytes, c1 - c0, dtype), c0, pieces)
+        dist.barrier(group=self.group)
+        if deliver is not None:
+            for r, seg in self._segments.items():
+                deliver(r * shard_numel + c0, seg.slot(slot, self.chunk_bytes, c1 - c0, dtype))
+
+    def _collective_step(
+        self,
+        c0: int,
+        c1: int,
+        dtype: torch.dtype,
+        pieces: Sequence[Piece],
+        deliver: Callable[[int, torch.Tensor], None] | None,
+        shard_numel: int,
+    ) -> None:
+        n = c1 - c0
+        chunk = max(1, self.chunk_bytes // dtype.itemsize)
+        whole = pieces[0][1] if len(pieces) == 1 and pieces[0][0] == 0 else None
+        if whole is not None and whole.numel() >= c1 and whole.dtype == dtype and whole.device == self.device:
+            send = whole[c0:c1]  # the shard itself: no copy
+        else:
+            if self._send is None or self._send.dtype != dtype or self._send.numel() < chunk:
+                self._send = torch.empty(chunk, dtype=dtype, device=self.device)
+            send = self._send[:n]
+            _fill(send, c0, pieces)
+        gather_to_one = len(self.keepers) == 1 and str(dist.get_backend(self.group)) == "gloo"
+        recv: torch.Tensor | None = None
+        if deliver is not None or not gather_to_one:
+            if self._recv is None or self._recv.dtype != dtype or self._recv.numel() < chunk * self.world:
+                self._recv = torch.empty(chunk * self.world, dtype=dtype, device=self.device)
+            recv = self._recv[: n * self.world]
+        if gather_to_one:
+            group: Any = self.group if self.group is not None else dist.group.WORLD
+            dst = dist.get_global_rank(group, self.keepers[0])
+            dist.gather(
+                send, list(recv.chunk(self.world)) if recv is not None else None, dst=dst, group=self.group
+            )
+        else:
+            assert recv is not None
+            dist.all_gather(list(recv.chunk(self.world)), send, group=self.group)
+        if deliver is not None:
+            assert recv is not None
+            for r in range(self.world):
+                if r != self.rank:
+                    deliver(r * shard_numel + c0, recv[r * n : (r + 1) * n])
+
+
+def _fill(dst: torch.Tensor, c0: int, pieces: Sequence[Piece]) -> None:
+    """Write shard elements ``[c0, c0 + len(dst))`` from ``pieces`` into ``dst``; zeros where none."""
+    c1 = c0 + dst.numel()
+    covered = 0
+    for offset, t in pieces:
+        a, b = max(c0, offset), min(c1, offset + t.numel())
+        if b > a:
+            dst[a - c0 : b - c0].copy_(t[a - offset : b - offset])
+            covered += b - a
+    if covered < dst.numel():
+        if covered == 0:
+            dst.zero_()
+        else:  # rare: gaps between pieces (padding, parameters without state); zero them exactly
+            mask = torch.ones(dst.numel(), dtype=torch.bool)
+            for offset, t in pieces:
+                a, b = max(c0, offset), min(c1, offset + t.numel())
+                if b > a:
+                    mask[a - c0 : b - c0] = False
+            dst[mask.to(dst.device)] = 0
+
+
+class UnitOutputs:
+    """Full-shape output tensors for some parameters of a unit, filled by delivered flat ranges.
+
+    Large outputs are handed to ``prefault`` (see [Note: prefaulting outputs]) when one is given.
+    """
+
+    def __init__(
+        self,
+        layout: FlatLayout,
+        wanted: Sequence[int],
+        dtype: torch.dtype,
+        device: torch.device,
+        prefault: Prefaulter | None = None,
+    ) -> None:
+        self.offsets = list(layout.offsets)
+        self.numels = list(layout.numels)
+        self.tensors: dict[int, torch.Tensor] = {}
+        for i in wanted:
+            if device.type == "cpu" and prefault is not None:
+                self.tensors[i] = empty_mapped(layout.shapes[i], dtype)
+            else:
+                self.tensors[i] = torch.empty(layout.shapes[i], dtype=dtype, device=device)
+            if prefault is not None:
+                prefault.add(self.tensors[i])
+
+    def deliver(self, start: int, data: torch.Tensor) -> None:
+        end = start + data.numel()
+        i = max(0, bisect.bisect_right(self.offsets, start) - 1)
+        while i < len(self.offsets) and self.offsets[i] < end:
+            out = self.tensors.get(i)
+            if out is not None:
+                a, b = max(start, self.offsets[i]), min(end, self.offsets[i] + self.numels[i])
+                if b > a:
+                    out.view(-1)[a - self.offsets[i] : b - self.offsets[i]].copy_(data[a - start : b - start])
+            i += 1
+
+
+StreamFactory = Callable[[Any, torch.device], "FlatStream"]
+"""``stream_of(group, device)``: the stream of a process group and device (see :func:`open_streams`)."""
+
+
+@contextlib.contextmanager
+def open_streams(keep: bool, chunk_bytes: int | None = None) -> Iterator[StreamFactory]:
+    """A factory of :class:`FlatStream` per (process group, device), opened on first use, closed on exit.
+
+    Every rank must ask for them in the same order (they do when they walk units in order).
+    """
+    streams: dict[tuple[int, torch.device], FlatStream] = {}
+
+    def get(group: ProcessGroup | None, device: torch.device) -> FlatStream:
+        key = (id(group), device)
+        if key not in streams:
+            streams[key] = FlatStream(group, keep, device, chunk_bytes)
+        return streams[key]
+
+    try:
+        yield get
+    finally:
+        for s in streams.values():
+            s.close()
