@@ -8,8 +8,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from flatshard.engine.gather import open_streams
-from flatshard.engine.memory import Prefaulter
+from flatshard.engine.gather import gather_items
 from flatshard.engine.optim_state import convert_full_optim_state_dict, plan_full_optim_state_dict
 from flatshard.engine.sharded_state import (
     ParamShard,
@@ -60,11 +59,8 @@ def get_state_dict(
         if isinstance(optimizer, torch.optim.Optimizer):
             return sharded_model, sharded_optim_state_dict(module, optimizer)
         return sharded_model, [sharded_optim_state_dict(module, o) for o in optimizer]
-    # Every output is allocated before anything moves (see [Note: prefaulting outputs]); one stream per
-    # process group carries the model and every optimizer.
+    # One gather moves the model and every optimizer (see [Note: streamed full-state gathers]).
     keep = global_rank() == 0 or not rank0_only
-    prefault = Prefaulter()
-    model_run = plan_full_model_state_dict(module, keep=keep, cpu_offload=cpu_offload, prefault=prefault)
     optimizers = (
         []
         if optimizer is None
@@ -72,13 +68,14 @@ def get_state_dict(
         if isinstance(optimizer, torch.optim.Optimizer)
         else list(optimizer)
     )
-    optim_runs = [
-        plan_full_optim_state_dict(module, o, keep=keep, cpu_offload=cpu_offload, prefault=prefault)
-        for o in optimizers
-    ]
-    with prefault, open_streams(keep) as stream_of:
-        model_state = model_run(stream_of)
-        states = [run(stream_of) for run in optim_runs]
+    plans = [plan_full_model_state_dict(module, keep=keep, cpu_offload=cpu_offload)]
+    plans += [plan_full_optim_state_dict(module, o, keep=keep, cpu_offload=cpu_offload) for o in optimizers]
+    results = gather_items([item for items, _ in plans for item in items], keep)
+    built: list[Any] = []
+    for items, assemble in plans:
+        built.append(assemble(results[: len(items)]))
+        results = results[len(items) :]
+    model_state, states = built[0], built[1:]
     if optimizer is None:
         return model_state, None
     return model_state, states[0] if isinstance(optimizer, torch.optim.Optimizer) else states

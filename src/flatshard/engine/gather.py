@@ -1,21 +1,27 @@
-"""Streaming a unit's flat tensors (parameters, optimizer state) to the ranks that keep a full state.
+"""Moving shards of flat tensors (parameters, optimizer state) to the ranks that keep a full state.
 
 [Note: streamed full-state gathers]
 A full state dict needs, on the ranks that keep it (rank 0 alone by default), every unit's whole flat
-parameter and every elementwise optimizer state laid out like it. Two rules shape how it travels:
+parameter and every elementwise optimizer state laid out like it, as full-shape tensors. Callers
+describe what they need as :class:`GatherItem` s (one per unit and per optimizer-state key), and
+:func:`gather_items` moves all of them in one pass:
 
-* **Bounded memory.** A shard is sent in chunks of at most ``chunk_bytes``; a rank that keeps nothing
-  holds no more than two chunks extra, a keeping rank no more than its outputs plus two chunks per
-  peer. Outputs are written in place, piece by piece, into the full-shape tensors that are returned:
-  there is no gathered flat copy and no second copy to CPU.
+* **Outputs first, faulted in ahead.** Every output tensor is allocated before the first byte moves,
+  each in a fresh mapping of its own, and handed to a :class:`~flatshard.engine.memory.Prefaulter`
+  whose threads back the pages while the copies run (see [Note: prefaulting outputs]). The outputs
+  are the result, so this adds nothing to the peak.
+* **Bounded memory.** A shard travels in chunks of at most ``chunk_bytes``; a rank that keeps nothing
+  holds no more than two chunks extra, and no rank ever holds a unit unsharded in a flat buffer.
+  Chunks are copied straight into the outputs, piece by piece: no gathered flat copy, no second copy
+  to CPU.
 * **The cheapest transport that is correct.** Ranks of one host exchanging CPU tensors use shared
   memory: each sending rank owns a two-slot segment in ``/dev/shm``; for chunk ``k`` it fills slot
-  ``k % 2``, all ranks pass one barrier, and the receivers copy straight out of the slot into their
-  outputs while the senders fill the other slot. A sender reuses a slot only after the next barrier,
-  which no receiver enters before it has finished reading that slot. This moves each byte with one
-  memory copy on each side, where a gloo collective over loopback TCP moves it several times (measured
-  in ``docs/benchmarks.md``). Anything else (several hosts, CUDA tensors, no usable ``/dev/shm``) uses
-  collectives per chunk: ``gather`` to the one keeping rank on gloo, ``all_gather`` otherwise.
+  ``k % 2``, all ranks pass one barrier, and the keepers copy straight out of the slot while the senders
+  fill the other slot. A sender reuses a slot only after the next barrier, which no keeper enters
+  before it finished reading that slot. Each byte is copied once on each side, where a gloo
+  collective over loopback TCP moves it several times. Anything else (several hosts, CUDA tensors, no
+  usable ``/dev/shm``, ``FLATSHARD_SHM=0``) uses collectives per chunk: ``gather`` to the one keeping rank
+  on gloo, ``all_gather`` otherwise.
 
 The transport is agreed on by all ranks of the group in one object collective when the stream opens,
 so a rank that cannot map a peer's segment makes every rank fall back, never hang. Segments are
@@ -30,7 +36,8 @@ import mmap
 import os
 import socket
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,14 +46,20 @@ import torch.distributed as dist
 from flatshard.engine.flat_param import FlatLayout
 from flatshard.engine.memory import Prefaulter, empty_mapped
 
-__all__ = ["FlatStream", "Piece", "StreamFactory", "UnitOutputs", "open_streams"]
+__all__ = [
+    "FlatStream",
+    "GatherItem",
+    "Piece",
+    "UnitOutputs",
+    "gather_items",
+]
 
 Piece = tuple[int, torch.Tensor]
 """``(offset in the local shard, 1-D tensor)``: part of this rank's shard of one flat tensor."""
 
 ProcessGroup = Any
 
-DEFAULT_CHUNK_BYTES = 32 << 20
+DEFAULT_CHUNK_BYTES = 16 << 20
 _SHM_DIR = "/dev/shm"
 
 
@@ -322,26 +335,51 @@ class UnitOutputs:
             i += 1
 
 
-StreamFactory = Callable[[Any, torch.device], "FlatStream"]
-"""``stream_of(group, device)``: the stream of a process group and device (see :func:`open_streams`)."""
+@dataclass
+class GatherItem:
+    """One flat tensor to gather: a unit's parameters, or one optimizer-state key laid out like them."""
+
+    group: Any  # the unit's shard group
+    device: torch.device  # where the shards live
+    layout: FlatLayout
+    dtype: torch.dtype
+    wanted: list[int]  # indices (in ``layout``) of the tensors the keepers get back
+    pieces: list[Piece] = field(default_factory=list)  # this rank's shard, by offset
+    out_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
-@contextlib.contextmanager
-def open_streams(keep: bool, chunk_bytes: int | None = None) -> Iterator[StreamFactory]:
-    """A factory of :class:`FlatStream` per (process group, device), opened on first use, closed on exit.
+def gather_items(
+    items: Sequence[GatherItem], keep: bool, chunk_bytes: int | None = None
+) -> list[dict[int, torch.Tensor]]:
+    """Gather every item; returns, per item, ``{index in layout: full tensor}`` (empty where not kept).
 
-    Every rank must ask for them in the same order (they do when they walk units in order).
+    All ranks call it with items in the same order (they do when they walk units in order); see
+    [Note: streamed full-state gathers].
     """
-    streams: dict[tuple[int, torch.device], FlatStream] = {}
+    results: list[dict[int, torch.Tensor]] = [{} for _ in items]
+    channels: dict[tuple[int, torch.device], list[int]] = {}
+    for i, item in enumerate(items):
+        channels.setdefault((id(item.group), item.device), []).append(i)
+    for idxs in channels.values():
+        outs = _gather_channel([items[i] for i in idxs], keep, chunk_bytes)
+        for i, out in zip(idxs, outs, strict=True):
+            results[i] = out
+    return results
 
-    def get(group: ProcessGroup | None, device: torch.device) -> FlatStream:
-        key = (id(group), device)
-        if key not in streams:
-            streams[key] = FlatStream(group, keep, device, chunk_bytes)
-        return streams[key]
 
-    try:
-        yield get
-    finally:
-        for s in streams.values():
-            s.close()
+def _gather_channel(
+    items: Sequence[GatherItem], keep: bool, chunk_bytes: int | None
+) -> list[dict[int, torch.Tensor]]:
+    group, device = items[0].group, items[0].device
+    prefault = Prefaulter()
+    outputs = [
+        UnitOutputs(it.layout, it.wanted, it.dtype, it.out_device, prefault) if keep else None for it in items
+    ]
+    with prefault:
+        stream = FlatStream(group, keep, device, chunk_bytes)
+        try:
+            for it, out in zip(items, outputs, strict=True):
+                stream.gather(it.layout.shard_numel, it.dtype, it.pieces, out.deliver if out else None)
+        finally:
+            stream.close()
+    return [dict(out.tensors) if out is not None else {} for out in outputs]

@@ -119,7 +119,9 @@ class Prefaulter:
     _supported = True  # cleared for the process when the kernel refuses MADV_POPULATE_WRITE
     _PIECE = 32 << 20  # madvise granularity: the unit of work of a thread, and how long close() waits
 
-    def __init__(self, threads: int = int(os.environ.get("FLATSHARD_PREFAULT_THREADS", "2"))) -> None:
+    def __init__(self, threads: int | None = None) -> None:
+        if threads is None:
+            threads = int(os.environ.get("FLATSHARD_PREFAULT_THREADS", "2"))
         self._tensors: list[torch.Tensor] = []
         self._pieces: list[tuple[int, int]] = []
         self._next = 0

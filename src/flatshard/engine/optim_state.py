@@ -18,9 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from flatshard.engine.gather import StreamFactory, UnitOutputs, open_streams
+from flatshard.engine.gather import GatherItem, gather_items
 from flatshard.engine.handle import FlatParamHandle, handle_of_param
-from flatshard.engine.memory import Prefaulter
 from flatshard.engine.state_dict import global_rank, prepare_for_state_io
 
 __all__ = [
@@ -54,10 +53,8 @@ def full_optim_state_dict(
 ) -> dict[str, Any]:
     """Gather the full optimizer state (see [Note: optimizer state consolidation]). Run on all ranks."""
     keep = global_rank() == 0 or not rank0_only
-    prefault = Prefaulter()
-    run = plan_full_optim_state_dict(module, optimizer, keep=keep, cpu_offload=cpu_offload, prefault=prefault)
-    with prefault, open_streams(keep) as stream_of:
-        return run(stream_of)
+    items, assemble = plan_full_optim_state_dict(module, optimizer, keep=keep, cpu_offload=cpu_offload)
+    return assemble(gather_items(items, keep))
 
 
 def plan_full_optim_state_dict(
@@ -66,9 +63,8 @@ def plan_full_optim_state_dict(
     *,
     keep: bool,
     cpu_offload: bool,
-    prefault: Prefaulter,
-) -> Callable[[StreamFactory], dict[str, Any]]:
-    """Agree on the state's metadata and allocate the outputs; the returned function streams (all ranks)."""
+) -> tuple[list[GatherItem], Callable[[list[dict[int, torch.Tensor]]], dict[str, Any]]]:
+    """Agree on the state's metadata (all ranks); return what to gather and how to build the state."""
     prepare_for_state_io(module, "get_state_dict")
     params = _ordered_params(optimizer)
     located = _locate(params)
@@ -101,33 +97,19 @@ def plan_full_optim_state_dict(
                 for k, v in entries.items()
                 if not _is_sharded_state(handle, v)
             }
-    # Sharded tensors: one stream per (unit, key), in a fixed order on every rank.
+    # Sharded tensors: one item per (unit, key), in a fixed order on every rank.
     by_unit: dict[int, tuple[FlatParamHandle, dict[str, list[int]]]] = {}
     for idx, key in sorted(meta, key=lambda t: (t[0], t[1])):
         handle = located[idx][0]
         assert handle is not None
         by_unit.setdefault(id(handle), (handle, {}))[1].setdefault(key, []).append(idx)
-    # All outputs first (they are the result: no extra peak), so that their pages are faulted in ahead.
-    prefault = Prefaulter()
-    steps: list[tuple[FlatParamHandle, str, list[int], UnitOutputs | None]] = []
+    items: list[GatherItem] = []
+    placements: list[
+        tuple[str, list[int], list[int]]
+    ] = []  # per item: key, optimizer indices, layout indices
     for handle, keys in sorted(by_unit.values(), key=lambda hk: _unit_order(module, hk[0])):
         for key in sorted(keys):
             idxs = keys[key]
-            out_device = torch.device("cpu") if cpu_offload else handle.sharded.device
-            wanted = [located[idx][1] for idx in idxs]
-            dtype = meta[(idxs[0], key)]
-            steps.append(
-                (
-                    handle,
-                    key,
-                    idxs,
-                    UnitOutputs(handle.layout, wanted, dtype, out_device, prefault) if keep else None,
-                )
-            )
-
-    def run(stream_of: StreamFactory) -> dict[str, Any]:
-        for handle, key, idxs, outputs in steps:
-            dtype = meta[(idxs[0], key)]
             pieces: list[tuple[int, torch.Tensor]] = []
             for idx in idxs:
                 info = handle.shard_infos[located[idx][1]]
@@ -135,17 +117,29 @@ def plan_full_optim_state_dict(
                 if value is not None and info.numel_in_shard:
                     pieces.append((info.offset_in_shard, value.detach().reshape(-1)))
             pieces.sort(key=lambda piece: piece[0])
-            stream_of(handle.shard_group, handle.sharded.device).gather(
-                handle.layout.shard_numel, dtype, pieces, outputs.deliver if outputs else None
+            positions = [located[idx][1] for idx in idxs]
+            items.append(
+                GatherItem(
+                    group=handle.shard_group,
+                    device=handle.sharded.device,
+                    layout=handle.layout,
+                    dtype=meta[(idxs[0], key)],
+                    wanted=positions,
+                    pieces=pieces,
+                    out_device=torch.device("cpu") if cpu_offload else handle.sharded.device,
+                )
             )
-            if outputs is not None:
-                for idx in idxs:
-                    state.setdefault(idx, {})[key] = outputs.tensors[located[idx][1]]
+            placements.append((key, idxs, positions))
+
+    def assemble(results: list[dict[int, torch.Tensor]]) -> dict[str, Any]:
         if not keep:
             return {}
+        for (key, idxs, positions), tensors in zip(placements, results, strict=True):
+            for idx, pos in zip(idxs, positions, strict=True):
+                state.setdefault(idx, {})[key] = tensors[pos]
         return {"state": dict(sorted(state.items())), "param_groups": local["param_groups"]}
 
-    return run
+    return items, assemble
 
 
 def _copy(t: torch.Tensor, cpu_offload: bool) -> torch.Tensor:

@@ -15,9 +15,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from flatshard.engine import comm
-from flatshard.engine.gather import StreamFactory, UnitOutputs, open_streams
+from flatshard.engine.gather import GatherItem, gather_items
 from flatshard.engine.handle import FlatParamHandle, handle_of_param
-from flatshard.engine.memory import Prefaulter
 from flatshard.engine.runtime import TrainingState, UnitState
 from flatshard.engine.shard import unit_states
 
@@ -78,53 +77,44 @@ def full_model_state_dict(
 ) -> dict[str, Any]:
     """Gather the full model state; with ``rank0_only`` other ranks return ``{}``. Must run on all ranks.
 
-    Each unit's shards stream in chunks straight into the returned full-shape tensors
-    (see [Note: streamed full-state gathers]); no rank ever holds a unit's flat parameter unsharded.
+    Each unit's shards move straight into the returned full-shape tensors (see [Note: streamed
+    full-state gathers]); no rank ever holds a unit's flat parameter unsharded.
     """
     keep = global_rank() == 0 or not rank0_only
-    prefault = Prefaulter()
-    run = plan_full_model_state_dict(module, keep=keep, cpu_offload=cpu_offload, prefault=prefault)
-    with prefault, open_streams(keep) as stream_of:
-        return run(stream_of)
+    items, assemble = plan_full_model_state_dict(module, keep=keep, cpu_offload=cpu_offload)
+    return assemble(gather_items(items, keep))
 
 
 def plan_full_model_state_dict(
-    module: nn.Module, *, keep: bool, cpu_offload: bool, prefault: Prefaulter
-) -> Callable[[StreamFactory], dict[str, Any]]:
-    """Check the module and allocate the outputs (handed to ``prefault``); the returned function streams.
+    module: nn.Module, *, keep: bool, cpu_offload: bool
+) -> tuple[list[GatherItem], Callable[[list[dict[int, torch.Tensor]]], dict[str, Any]]]:
+    """What to gather (one item per unit) and how to build the state dict from the gathered tensors.
 
-    Split so that a caller gathering model and optimizer state allocates every output before the first
-    byte moves (see [Note: prefaulting outputs]).
+    Split so that a caller gathering model and optimizer state moves everything in one
+    :func:`~flatshard.engine.gather.gather_items` call.
     """
     states = prepare_for_state_io(module, "get_state_dict")
     handles = [s.handle for s in states if s.handle is not None]
-    outputs: list[UnitOutputs | None] = [
-        UnitOutputs(
-            h.layout,
-            range(len(h.params)),
-            h.dtype,
-            torch.device("cpu") if cpu_offload else h.sharded.device,
-            prefault,
+    items = [
+        GatherItem(
+            group=h.shard_group,
+            device=h.sharded.device,
+            layout=h.layout,
+            dtype=h.dtype,
+            wanted=list(range(len(h.params))),
+            pieces=[(0, h.sharded.detach())],
+            out_device=torch.device("cpu") if cpu_offload else h.sharded.device,
         )
-        if keep
-        else None
         for h in handles
     ]
 
-    def run(stream_of: StreamFactory) -> dict[str, Any]:
-        gathered: dict[int, torch.Tensor] = {}
-        for h, unit_out in zip(handles, outputs, strict=True):
-            stream_of(h.shard_group, h.sharded.device).gather(
-                h.layout.shard_numel,
-                h.dtype,
-                [(0, h.sharded.detach())],
-                unit_out.deliver if unit_out else None,
-            )
-            if unit_out is not None:
-                for i, p in enumerate(h.params):
-                    gathered[id(p)] = unit_out.tensors[i]
+    def assemble(results: list[dict[int, torch.Tensor]]) -> dict[str, Any]:
         if not keep:
             return {}
+        gathered: dict[int, torch.Tensor] = {}
+        for h, tensors in zip(handles, results, strict=True):
+            for i, p in enumerate(h.params):
+                gathered[id(p)] = tensors[i]
         out: dict[str, Any] = {}
         for key, value in module.state_dict(keep_vars=True).items():
             if isinstance(value, torch.Tensor):
@@ -133,7 +123,7 @@ def plan_full_model_state_dict(
                 out[key] = value
         return out
 
-    return run
+    return items, assemble
 
 
 def _expected_shapes(module: nn.Module) -> dict[str, tuple[torch.Size, FlatParamHandle | None, int]]:
