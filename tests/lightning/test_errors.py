@@ -8,6 +8,7 @@ error naming the file, leave the sharded weights untouched, and leave the ranks 
 from __future__ import annotations
 
 import os
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -96,10 +97,6 @@ LATER_FEATURES = [
     ),
     ({"cpu_offload": True}, "cpu_offload.*CPU offload"),
     ({"cpu_offload": flatshard.CPUOffload(offload_params=True)}, "cpu_offload.*CPU offload"),
-    (
-        {"activation_checkpointing_policy": {Block}},
-        "activation_checkpointing_policy.*activation checkpointing",
-    ),
     ({"shard_group_size": 2}, "shard_group_size.*hybrid"),
     ({"process_group": object()}, "process_group.*hybrid"),
     ({"device_mesh": (1, 2)}, "device_mesh.*hybrid"),
@@ -117,6 +114,35 @@ LATER_FEATURES = [
 def test_later_features_raise_not_implemented_naming_the_feature(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(NotImplementedError, match=match):
         flatshard.FlatShardStrategy(**kwargs)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "policy, error, match",
+    [
+        (True, TypeError, "a bool is not a policy"),
+        ({"flatshard.testing.models.NoSuchBlock"}, (ImportError, ValueError), "NoSuchBlock"),
+        ([3.5], TypeError, "not an nn.Module subclass"),
+        (0, ValueError, "positive"),
+    ],
+)
+def test_bad_activation_checkpointing_policy_is_refused(policy: Any, error: Any, match: str) -> None:
+    with pytest.raises(error, match=match):
+        flatshard.FlatShardStrategy(activation_checkpointing_policy=policy)
+
+
+@pytest.mark.timeout(300)
+def test_activation_checkpointing_policy_forms_reach_the_engine() -> None:
+    for policy in ({Block}, ["flatshard.testing.models.Block"], Block, lambda m: isinstance(m, Block)):
+        check = flatshard.FlatShardStrategy(activation_checkpointing_policy=policy).options.shard_kwargs(
+            torch.device("cpu")
+        )["activation_checkpointing_policy"]
+        assert check(Block()) and not check(torch.nn.Linear(2, 2)), policy
+    by_size = flatshard.FlatShardStrategy(activation_checkpointing_policy=500).options.shard_kwargs(
+        torch.device("cpu")
+    )["activation_checkpointing_policy"]
+    assert by_size(torch.nn.Linear(30, 30)) and not by_size(torch.nn.Linear(3, 3))
+    pickle.dumps(flatshard.FlatShardStrategy(activation_checkpointing_policy={Block}).options)
 
 
 @pytest.mark.timeout(300)

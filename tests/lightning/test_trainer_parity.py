@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 import flatshard
 from flatshard.engine import unit_states
+from flatshard.engine.checkpointing import is_checkpointed
 from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT
 
@@ -93,6 +94,20 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         lambda rank: LitGPT(),
         {"accumulate_grad_batches": 2},
     ),
+    "flatshard_checkpoint_units": (
+        lambda: flatshard.FlatShardStrategy(
+            auto_wrap_policy={Block}, activation_checkpointing_policy={Block}
+        ),
+        lambda rank: LitGPT(),
+        {},
+    ),
+    "flatshard_checkpoint_inside": (  # checkpointed blocks inside the one root unit, policy from a YAML-style path
+        lambda: flatshard.FlatShardStrategy(
+            activation_checkpointing_policy=["flatshard.testing.models.Block"]
+        ),
+        lambda rank: LitGPT(),
+        {},
+    ),
     "ddp_frozen": (lambda: "ddp", lambda rank: FrozenGPT(), {}),
     "flatshard_frozen": (lambda: "flatshard", lambda rank: FrozenGPT(), {}),
     "flatshard_sync_module_states": (
@@ -136,6 +151,7 @@ def _train_all(rank: int, world: int, names: list[str], per_rank: int, out_dir: 
             info["sharding_strategy"] = trainer.strategy.sharding_strategy.name
             info["units"] = len(unit_states(model))
             info["param_shapes"] = [tuple(p.shape) for p in model.parameters()]
+            info["checkpointed"] = sum(is_checkpointed(m) for m in model.modules())
         trainer.save_checkpoint(os.path.join(out_dir, f"{name}_w{world}.ckpt"))
         results[name] = info
     return results
@@ -248,6 +264,8 @@ def test_three_ranks_uneven_shards_match_single_device(
         ("flatshard_accumulate", "ddp_accumulate"),
         ("flatshard_frozen", "ddp_frozen"),
         ("flatshard_sync_module_states", "ddp"),
+        ("flatshard_checkpoint_units", "ddp"),
+        ("flatshard_checkpoint_inside", "ddp"),
     ],
 )
 def test_lightning_features_match_ddp(name: str, reference: str, two_ranks: dict[str, Any]) -> None:
@@ -272,6 +290,9 @@ def test_lightning_features_match_ddp(name: str, reference: str, two_ranks: dict
             torch.testing.assert_close(ckpt["state_dict"][key], initial[key], atol=0, rtol=0)
         n_trainable = sum(1 for n, _ in LitGPT().named_parameters() if n not in FrozenGPT.FROZEN)
         assert sorted(ckpt["optimizer_states"][0]["state"]) == list(range(n_trainable))
+    if name.startswith("flatshard_checkpoint"):  # every block recomputed its activations; keys unchanged
+        assert all(r[name]["checkpointed"] == N_BLOCKS for r in two_ranks["ranks"])
+        assert sorted(ckpt["state_dict"]) == sorted(ddp["state_dict"])
 
 
 @pytest.mark.timeout(300)

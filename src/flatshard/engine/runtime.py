@@ -143,6 +143,8 @@ class UnitState:
         self.training_state = TrainingState.IDLE
         self.forward_depth = 0
         self.summoned = False  # inside flatshard.unshard_params: parameters are full, forward is refused
+        self.recompute_inside = False  # a checkpointed module's parameters belong to this unit
+        self._recomputing = False  # this forward is a recomputation inside backward
         self.ctx: RootContext | None = None
         self._hook_handles: list[Any] = []
         self._register_hooks()
@@ -191,13 +193,17 @@ class UnitState:
             return args, kwargs
         ctx = self.ctx
         assert ctx is not None
+        # A forward re-run inside backward is an activation-checkpointing recomputation (see [Note:
+        # activation checkpointing]): gather if needed, but leave the order and the state machine alone.
+        in_backward = ctx.callback_queued
+        self._recomputing = in_backward
         if self.is_root:
             ctx.streams.refresh_compute()
-            ctx.order.begin_forward()
-        in_backward = ctx.callback_queued  # a forward re-run inside backward (recomputation)
+            if not in_backward:
+                ctx.order.begin_forward()
         if not in_backward:
             ctx.order.note_pre_forward(self)
-        self.training_state = TrainingState.FORWARD
+            self.training_state = TrainingState.FORWARD
         if self.handle is not None:
             ctx.unshard(self)
             if self.forward_prefetch and not in_backward:
@@ -214,8 +220,10 @@ class UnitState:
             return output
         ctx = self.ctx
         assert ctx is not None
-        if not ctx.callback_queued:
-            ctx.order.note_post_forward(self)
+        if self._recomputing:  # inside backward: stay gathered for the gradient computation that follows
+            self._recomputing = False
+            return output
+        ctx.order.note_post_forward(self)
         self.training_state = TrainingState.IDLE
         grad_outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if torch.is_grad_enabled() and grad_outputs:
@@ -246,6 +254,11 @@ class UnitState:
             ctx.unshard(ctx.order.next_backward(self))  # overlaps this unit's backward compute
         if self.handle is not None:
             self.handle.wait_unshard(ctx.streams)
+            if self.recompute_inside:
+                # Checkpointed submodules re-run their forward in this unit's backward without hooks of
+                # their own: give them the gathered parameters, as autograd views like in forward.
+                with torch.enable_grad():
+                    self.handle.use_unsharded_views()
 
     def _post_backward(self, flat: torch.Tensor) -> None:
         handle, ctx = self.handle, self.ctx

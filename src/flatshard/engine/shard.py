@@ -9,6 +9,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from flatshard.engine.checkpointing import (
+    CheckFn,
+    apply_activation_checkpointing,
+    resolve_checkpointing_policy,
+)
 from flatshard.engine.config import (
     BackwardPrefetch,
     CPUOffload,
@@ -52,6 +57,7 @@ def shard(
     limit_all_gathers: bool = True,
     backward_prefetch: BackwardPrefetch | str | None = BackwardPrefetch.BACKWARD_PRE,
     forward_prefetch: bool = False,
+    activation_checkpointing_policy: Any = None,
 ) -> nn.Module:
     """Shard ``module`` in place over the ranks of ``process_group`` and return it.
 
@@ -77,6 +83,11 @@ def shard(
             Default: ``False``.
         limit_all_gathers: rate-limit all-gathers so at most two unsharded buffers are pending
             (see ``flatshard.engine.limiter``; CUDA only, CPU work is synchronous). Default: ``True``.
+        activation_checkpointing_policy: which submodules recompute their activations in backward instead
+            of keeping them (see [Note: activation checkpointing]): module classes or their import paths,
+            an int (modules with at least that many parameters), a callable ``module -> bool`` or a torch-
+            FSDP-style policy callable. The outermost matching modules are checkpointed (non-reentrant);
+            parameter names and checkpoints do not change. Default: ``None``.
         mixed_precision, cpu_offload: later releases; the defaults are accepted.
 
     Returns:
@@ -101,6 +112,7 @@ def shard(
         if not isinstance(value, bool):
             raise TypeError(f"{arg} must be a bool, got {type(value).__name__}: {value!r}.")
     policy = resolve_policy(auto_wrap_policy)
+    checkpoint_check = resolve_checkpointing_policy(activation_checkpointing_policy)
     ignored = _expand_ignored(module, ignored_modules)
     shard_group, replicate_group = resolve_groups(strategy, process_group)
     target = torch.device(device) if device is not None else _default_device(shard_group)
@@ -142,7 +154,25 @@ def shard(
                 sync_group=sync_group,
             )
         plan.module.__dict__[STATE_ATTR] = UnitState(plan.module, handle, strategy, config)
+    if checkpoint_check is not None:
+        _checkpoint_inside_units(module, checkpoint_check, ignored)
     return module
+
+
+def _checkpoint_inside_units(root: nn.Module, check: CheckFn, ignored: set[nn.Module]) -> None:
+    """Apply activation checkpointing and flag, for each checkpointed module, the unit owning it."""
+    parents: dict[nn.Module, nn.Module] = {}
+    for parent in root.modules():
+        for child in parent.children():
+            parents.setdefault(child, parent)
+    for target in apply_activation_checkpointing(root, check, ignored):
+        node: nn.Module | None = target
+        while node is not None:
+            state = get_unit_state(node)
+            if state is not None:
+                state.recompute_inside = True
+                break
+            node = parents.get(node)
 
 
 def _expand_ignored(root: nn.Module, ignored_modules: Iterable[nn.Module] | None) -> set[nn.Module]:

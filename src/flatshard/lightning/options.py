@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from flatshard.engine.checkpointing import CheckFn, resolve_checkpointing_policy
 from flatshard.engine.config import (
     BackwardPrefetch,
     CPUOffload,
@@ -37,6 +38,7 @@ def _later(arg: str, value: Any, feature: str, issue: str) -> NotImplementedErro
 class StrategyOptions:
     sharding_strategy: ShardingStrategy
     auto_wrap_policy: Policy | None
+    activation_checkpointing_policy: CheckFn | None
     backward_prefetch: BackwardPrefetch | None
     forward_prefetch: bool
     limit_all_gathers: bool
@@ -73,13 +75,7 @@ class StrategyOptions:
         ):
             if value is not None:
                 raise _later(arg, value, "hybrid sharding groups", "the hybrid sharding issue")
-        if activation_checkpointing_policy is not None:
-            raise _later(
-                "activation_checkpointing_policy",
-                activation_checkpointing_policy,
-                "activation checkpointing",
-                "the precision and memory issue",
-            )
+        checkpoint_check = resolve_checkpointing_policy(activation_checkpointing_policy)
         if cpu_offload is not None and not isinstance(cpu_offload, (bool, CPUOffload)):
             raise TypeError(f"cpu_offload must be a bool or CPUOffload, got {type(cpu_offload).__name__}.")
         if cpu_offload is True or getattr(cpu_offload, "offload_params", False):
@@ -102,6 +98,7 @@ class StrategyOptions:
         return cls(
             sharding_strategy=strategy,
             auto_wrap_policy=resolve_policy(auto_wrap_policy),
+            activation_checkpointing_policy=checkpoint_check,
             backward_prefetch=normalize_backward_prefetch(backward_prefetch),
             forward_prefetch=forward_prefetch,
             limit_all_gathers=limit_all_gathers,
@@ -115,6 +112,7 @@ class StrategyOptions:
         return {
             "sharding_strategy": self.sharding_strategy,
             "auto_wrap_policy": self.auto_wrap_policy,
+            "activation_checkpointing_policy": self.activation_checkpointing_policy,
             "backward_prefetch": self.backward_prefetch,
             "forward_prefetch": self.forward_prefetch,
             "limit_all_gathers": self.limit_all_gathers,

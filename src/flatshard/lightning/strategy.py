@@ -76,7 +76,10 @@ class FlatShardStrategy(ParallelStrategy):
         auto_wrap_policy: which submodules become units: a set/list of module classes (or import paths),
             an int (minimum parameters per unit), or a callable ``(module, recurse, nonwrapped_numel)``.
             Default: ``None`` (the whole model is one unit).
-        activation_checkpointing_policy: later release; must be ``None``.
+        activation_checkpointing_policy: which submodules recompute their activations in backward instead of
+            keeping them: module classes (or import paths), an int (modules with at least that many
+            parameters), or a callable (``module -> bool`` or the ``auto_wrap_policy`` contract). Applied
+            inside units, non-reentrant; parameter names and checkpoints are unchanged. Default: ``None``.
         cpu_offload: later release; must be falsy.
         mixed_precision: later release; must be ``None``.
         limit_all_gathers: rate-limit all-gathers so at most two unsharded buffers are pending (CUDA).
@@ -113,7 +116,12 @@ class FlatShardStrategy(ParallelStrategy):
         | int
         | Callable[..., bool]
         | None = None,
-        activation_checkpointing_policy: set[type[Module]] | list[type[Module]] | list[str] | None = None,
+        activation_checkpointing_policy: set[type[Module]]
+        | list[type[Module]]
+        | list[str]
+        | int
+        | Callable[..., bool]
+        | None = None,
         cpu_offload: bool | CPUOffload | None = None,
         mixed_precision: MixedPrecision | None = None,
         limit_all_gathers: bool = True,

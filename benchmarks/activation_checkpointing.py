@@ -1,0 +1,155 @@
+"""Activation memory and step time with and without ``activation_checkpointing_policy={Block}``.
+
+Both runs use flatshard FULL_SHARD with one unit per ``Block`` on ``--world-size`` ranks (gloo, CPU), the same
+GPT (``examples/gpt/model.py``), weights and batches. Per rank it reports:
+
+* **saved activations**: bytes autograd keeps for backward after one forward (distinct storages, the
+  gathered parameter buffers excluded), counted with ``torch.autograd.graph.saved_tensors_hooks``;
+* **peak RSS** over the training steps (``VmHWM``, reset with ``clear_refs`` after the model is built);
+* **median step time** over ``--steps`` steps after one warm-up step;
+* the losses of both runs, which must agree (recomputation changes nothing numerically).
+
+    python benchmarks/activation_checkpointing.py --preset cpu-small
+
+Writes ``docs/bench/activation_checkpointing_<preset>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+if str(BENCH_DIR) not in sys.path:
+    sys.path.insert(0, str(BENCH_DIR))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from step_time import (  # noqa: E402
+    MIB,
+    PRESETS,
+    REPO,
+    _build_model,
+    _make_batches,
+    _proc_status_kib,
+    _reset_peak_rss,
+    machine_info,
+)
+
+import flatshard  # noqa: E402
+from flatshard.engine.shard import unit_states  # noqa: E402
+from flatshard.testing import spawn  # noqa: E402
+
+
+def _saved_bytes(model: torch.nn.Module, idx: torch.Tensor, cfg: dict[str, Any]) -> int:
+    params = {s.handle._gather.untyped_storage()._cdata for s in unit_states(model) if s.handle is not None}
+    held: list[torch.Tensor] = []
+    sizes: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in params:
+            held.append(t)
+            sizes[storage._cdata] = max(sizes.get(storage._cdata, 0), storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(idx)
+    del logits
+    return sum(sizes.values())
+
+
+def run(rank: int, world: int, cfg: dict[str, Any], checkpointing: bool) -> dict[str, Any]:
+    torch.set_num_threads(cfg["threads"])
+    from model import Block  # examples/gpt/model.py (step_time put it on sys.path)
+
+    model = _build_model(cfg)
+    flatshard.shard(
+        model, auto_wrap_policy={Block}, activation_checkpointing_policy={Block} if checkpointing else None
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batches = _make_batches(dict(cfg, warmup=1), rank, world, torch.device("cpu"))
+    out: dict[str, Any] = {"saved_activation_bytes": _saved_bytes(model, batches[0][0], cfg)}
+    times, losses = [], []
+    dist.barrier()
+    reset = _reset_peak_rss()  # from here on: the training steps only
+    for step, (idx, tgt) in enumerate(batches):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(model(idx).view(-1, cfg["vocab_size"]), tgt.view(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - t0
+        if step >= 1:
+            times.append(elapsed)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    peak = _proc_status_kib("VmHWM")["VmHWM"] if reset else None
+    out.update(step_s=statistics.median(times), peak_rss_mib=peak / 1024 if peak else None)
+    out["losses"] = losses
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--preset", choices=[k for k in PRESETS if PRESETS[k]["device"] == "cpu"], default="cpu-small"
+    )
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    cfg = dict(PRESETS[args.preset], steps=args.steps, threads=args.threads, seed=args.seed)
+    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    results = {}
+    for name, on in (("without", False), ("with", True)):
+        per_rank = spawn(run, args.world_size, cfg, on, timeout=1800)
+        results[name] = per_rank
+        r0 = per_rank[0]
+        print(
+            f"{name:>7} activation checkpointing: saved activations {r0['saved_activation_bytes'] / MIB:.1f} MiB, "
+            f"peak RSS {r0['peak_rss_mib']} MiB, step {r0['step_s']:.3f} s",
+            flush=True,
+        )
+    w, c = results["without"][0], results["with"][0]
+    summary = {
+        "saved_activations_ratio": c["saved_activation_bytes"] / w["saved_activation_bytes"],
+        "step_time_ratio": c["step_s"] / w["step_s"],
+        "peak_rss_ratio": (c["peak_rss_mib"] / w["peak_rss_mib"])
+        if c["peak_rss_mib"] and w["peak_rss_mib"]
+        else None,
+        "max_loss_diff": max(abs(a - b) for a, b in zip(w["losses"], c["losses"], strict=True)),
+    }
+    print(json.dumps(summary, indent=2))
+    out = args.out or REPO / "docs" / "bench" / f"activation_checkpointing_{args.preset}.json"
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "activation_checkpointing",
+                "date": started,
+                "command": "python benchmarks/activation_checkpointing.py " + " ".join(argv or sys.argv[1:]),
+                "machine": machine_info(cfg),
+                "config": dict(cfg, world_size=args.world_size),
+                "results": results,
+                "summary": summary,
+            },
+            indent=2,
+        )
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
