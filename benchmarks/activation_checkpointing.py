@@ -44,26 +44,8 @@ from step_time import (  # noqa: E402
 )
 
 import flatshard  # noqa: E402
-from flatshard.engine.shard import unit_states  # noqa: E402
 from flatshard.testing import spawn  # noqa: E402
-
-
-def _saved_bytes(model: torch.nn.Module, idx: torch.Tensor, cfg: dict[str, Any]) -> int:
-    params = {s.handle._gather.untyped_storage()._cdata for s in unit_states(model) if s.handle is not None}
-    held: list[torch.Tensor] = []
-    sizes: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage._cdata not in params:
-            held.append(t)
-            sizes[storage._cdata] = max(sizes.get(storage._cdata, 0), storage.nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(idx)
-    del logits
-    return sum(sizes.values())
+from flatshard.testing.activations import saved_activation_bytes  # noqa: E402
 
 
 def run(rank: int, world: int, cfg: dict[str, Any], checkpointing: bool) -> dict[str, Any]:
@@ -76,7 +58,8 @@ def run(rank: int, world: int, cfg: dict[str, Any], checkpointing: bool) -> dict
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batches = _make_batches(dict(cfg, warmup=1), rank, world, torch.device("cpu"))
-    out: dict[str, Any] = {"saved_activation_bytes": _saved_bytes(model, batches[0][0], cfg)}
+    saved, _ = saved_activation_bytes(model, lambda: model(batches[0][0]))
+    out: dict[str, Any] = {"saved_activation_bytes": saved}
     times, losses = [], []
     dist.barrier()
     reset = _reset_peak_rss()  # from here on: the training steps only

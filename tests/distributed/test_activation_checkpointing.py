@@ -9,34 +9,12 @@ import torch
 import torch.nn as nn
 
 import flatshard
-from flatshard.engine.shard import unit_states
 from flatshard.testing import spawn
+from flatshard.testing.activations import saved_activation_bytes
 from flatshard.testing.models import Block, TinyGPT, make_batch
 
 PER_RANK = 2
 STEPS = 3
-
-
-def _saved_bytes(model: nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """Bytes of activations autograd keeps for backward during one forward, and the loss.
-
-    Distinct storages, parameters (the units' gathered buffers) excluded. The packed tensors are held until
-    the end, so no storage is freed and its address reused while counting.
-    """
-    params = {s.handle._gather.untyped_storage()._cdata for s in unit_states(model) if s.handle is not None}
-    held: list[torch.Tensor] = []
-    sizes: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage._cdata not in params:
-            held.append(t)
-            sizes[storage._cdata] = max(sizes.get(storage._cdata, 0), storage.nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model.loss(idx, tgt)
-    return sum(sizes.values()), loss
 
 
 def _run(rank: int, world: int, wrap: str, policy_name: str, strategy: str) -> dict[str, object]:
@@ -83,8 +61,8 @@ def _run(rank: int, world: int, wrap: str, policy_name: str, strategy: str) -> d
     plain = copy.deepcopy(reference)
     flatshard.shard(plain, auto_wrap_policy={Block} if wrap == "blocks" else None, sharding_strategy=strategy)
     idx, tgt = make_batch(99, PER_RANK)
-    out["saved_ac"], loss_ac = _saved_bytes(model, idx, tgt)
-    out["saved_plain"], _ = _saved_bytes(plain, idx, tgt)
+    out["saved_ac"], loss_ac = saved_activation_bytes(model, lambda: model.loss(idx, tgt))
+    out["saved_plain"], _ = saved_activation_bytes(plain, lambda: plain.loss(idx, tgt))
     loss_ac.backward()  # a backward after the measurement still works
     return out
 
