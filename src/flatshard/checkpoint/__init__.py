@@ -29,7 +29,7 @@ from flatshard.checkpoint.sharded import (
     is_sharded_checkpoint,
     write_sharded_checkpoint,
 )
-from flatshard.engine.api import get_state_dict
+from flatshard.engine.api import get_state_dict, optimizer_list
 from flatshard.engine.handle import handle_of_param
 from flatshard.engine.optim_state import convert_full_optim_state_dict
 from flatshard.engine.sharded_state import (
@@ -59,14 +59,6 @@ __all__ = [
 StateDictType = Literal["full", "sharded"]
 
 
-def _optimizers(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None) -> list[Any]:
-    if optimizer is None:
-        return []
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return [optimizer]
-    return list(optimizer)
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -91,7 +83,7 @@ def save_checkpoint(
             :func:`load_checkpoint`.
     """
     checkpoint = dict(extra or {})
-    optimizers = _optimizers(optimizer)
+    optimizers = optimizer_list(optimizer)
     if state_dict_type == "full":
         model_state, optim_states = get_state_dict(module, optimizers, rank0_only=True, cpu_offload=True)
         checkpoint["state_dict"] = model_state
@@ -123,7 +115,7 @@ def load_checkpoint(
     ``optimizer_states``). Raises :class:`CheckpointError` naming the file before anything changes if the
     checkpoint is damaged or does not fit.
     """
-    optimizers = _optimizers(optimizer)
+    optimizers = optimizer_list(optimizer)
     return load_into(path, module, optimizers, strict=strict, load_optimizer_states=bool(optimizers))
 
 

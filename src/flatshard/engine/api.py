@@ -25,7 +25,7 @@ from flatshard.engine.state_dict import (
     plan_full_model_state_dict,
 )
 
-__all__ = ["get_state_dict", "set_state_dict"]
+__all__ = ["get_state_dict", "optimizer_list", "set_state_dict"]
 
 OptimizerArg = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
 
@@ -105,13 +105,7 @@ def set_state_dict(
     if not full:
         _set_sharded_state_dict(module, optimizer, model_state, optimizer_state, strict=strict)
         return
-    optimizers: list[torch.optim.Optimizer] = []
-    states: list[Any] = []
-    if optimizer is not None and optimizer_state is not None:
-        optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-        states = [optimizer_state] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer_state)
-        if len(states) != len(optimizers):
-            raise ValueError(f"Got {len(optimizers)} optimizers but {len(states)} optimizer states.")
+    optimizers, states = _paired(optimizer, optimizer_state)
     # Validate everything before changing anything.
     if model_state is not None:
         check_full_model_state_dict(module, model_state, strict=strict)
@@ -125,6 +119,26 @@ def set_state_dict(
         opt.load_state_dict(st)
 
 
+def optimizer_list(optimizer: OptimizerArg) -> list[torch.optim.Optimizer]:
+    """``None``, one optimizer or several, as a list."""
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    return list(optimizer)
+
+
+def _paired(optimizer: OptimizerArg, optimizer_state: Any) -> tuple[list[torch.optim.Optimizer], list[Any]]:
+    """The optimizers and their states as two lists of equal length (both empty if either is ``None``)."""
+    if optimizer is None or optimizer_state is None:
+        return [], []
+    optimizers = optimizer_list(optimizer)
+    states = [optimizer_state] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer_state)
+    if len(states) != len(optimizers):
+        raise ValueError(f"Got {len(optimizers)} optimizers but {len(states)} optimizer states.")
+    return optimizers, states
+
+
 def _set_sharded_state_dict(
     module: nn.Module,
     optimizer: OptimizerArg,
@@ -134,13 +148,7 @@ def _set_sharded_state_dict(
     strict: bool,
 ) -> None:
     """Load sharded state of this rank's own layout: validate every piece first, then copy."""
-    optimizers: list[torch.optim.Optimizer] = []
-    states: list[Any] = []
-    if optimizer is not None and optimizer_state is not None:
-        optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
-        states = [optimizer_state] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer_state)
-        if len(states) != len(optimizers):
-            raise ValueError(f"Got {len(optimizers)} optimizers but {len(states)} optimizer states.")
+    optimizers, states = _paired(optimizer, optimizer_state)
     local_model: dict[str, Any] = {}
     if model_state is not None:
         live = local_param_targets(module)

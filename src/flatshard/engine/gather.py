@@ -278,24 +278,20 @@ class FlatStream:
 
 
 def _fill(dst: torch.Tensor, c0: int, pieces: Sequence[Piece]) -> None:
-    """Write shard elements ``[c0, c0 + len(dst))`` from ``pieces`` into ``dst``; zeros where none."""
+    """Write shard elements ``[c0, c0 + len(dst))`` from ``pieces`` (sorted by offset) into ``dst``; zeros
+    in the gaps (padding, parameters without state)."""
     c1 = c0 + dst.numel()
-    covered = 0
+    pos = c0  # everything before it is written
     for offset, t in pieces:
         a, b = max(c0, offset), min(c1, offset + t.numel())
-        if b > a:
-            dst[a - c0 : b - c0].copy_(t[a - offset : b - offset])
-            covered += b - a
-    if covered < dst.numel():
-        if covered == 0:
-            dst.zero_()
-        else:  # rare: gaps between pieces (padding, parameters without state); zero them exactly
-            mask = torch.ones(dst.numel(), dtype=torch.bool)
-            for offset, t in pieces:
-                a, b = max(c0, offset), min(c1, offset + t.numel())
-                if b > a:
-                    mask[a - c0 : b - c0] = False
-            dst[mask.to(dst.device)] = 0
+        if b <= a:
+            continue
+        if a > pos:
+            dst[pos - c0 : a - c0].zero_()
+        dst[a - c0 : b - c0].copy_(t[a - offset : b - offset])
+        pos = b
+    if pos < c1:
+        dst[pos - c0 :].zero_()
 
 
 class UnitOutputs:

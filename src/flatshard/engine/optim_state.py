@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from flatshard.engine.gather import GatherItem, gather_items
 from flatshard.engine.handle import FlatParamHandle, handle_of_param
-from flatshard.engine.state_dict import global_rank, prepare_for_state_io
+from flatshard.engine.state_dict import copy_out, global_rank, prepare_for_state_io
 
 __all__ = [
     "convert_full_optim_state_dict",
@@ -91,9 +91,7 @@ def plan_full_optim_state_dict(
         for idx, entries in local["state"].items():
             handle = located[idx][0]
             state[idx] = {
-                k: (v.detach().to("cpu", copy=True) if cpu_offload else v.detach().clone())
-                if isinstance(v, torch.Tensor) and not _is_sharded_state(handle, v)
-                else v
+                k: copy_out(v, cpu_offload) if isinstance(v, torch.Tensor) else v
                 for k, v in entries.items()
                 if not _is_sharded_state(handle, v)
             }
@@ -140,10 +138,6 @@ def plan_full_optim_state_dict(
         return {"state": dict(sorted(state.items())), "param_groups": local["param_groups"]}
 
     return items, assemble
-
-
-def _copy(t: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
-    return t.to("cpu", copy=True) if cpu_offload else t.clone()
 
 
 def _unit_order(module: nn.Module, handle: FlatParamHandle) -> int:

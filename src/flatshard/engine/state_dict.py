@@ -67,7 +67,7 @@ def gather_full_flat(handle: FlatParamHandle) -> torch.Tensor:
     return full
 
 
-def _copy_out(t: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
+def copy_out(t: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
     t = t.detach()
     return t.to("cpu", copy=True) if cpu_offload else t.clone()
 
@@ -118,7 +118,7 @@ def plan_full_model_state_dict(
         out: dict[str, Any] = {}
         for key, value in module.state_dict(keep_vars=True).items():
             if isinstance(value, torch.Tensor):
-                out[key] = gathered[id(value)] if id(value) in gathered else _copy_out(value, cpu_offload)
+                out[key] = gathered[id(value)] if id(value) in gathered else copy_out(value, cpu_offload)
             else:
                 out[key] = value
         return out
