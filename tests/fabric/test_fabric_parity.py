@@ -81,3 +81,75 @@ def test_fabric_parity_clip_save_load(tmp_path: Path) -> None:
     for r in spawn(_run, 2, str(tmp_path)):
         assert r["weights"] < 1e-5 and r["optim"] < 1e-5 and r["resumed"] < 1e-5, r
         assert r["step"] == 3.0
+
+
+def _run_mixed(rank: int, world: int) -> dict[str, object]:
+    """bf16-mixed: autocast over bf16 gathered weights, against an emulation that runs a bf16 copy of the
+    fp32 reference under the same autocast for each rank's slice and averages the fp32 gradients."""
+    fabric = Fabric(accelerator="cpu", devices=world, strategy="flatshard", precision="bf16-mixed")
+    fabric.launch()
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    model = fabric.setup_module(copy.deepcopy(reference))
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    worst_loss = 0.0
+    for step in range(3):
+        idx, tgt = make_batch(step, 2 * world)
+        grads: list[torch.Tensor] | None = None
+        for r in range(world):
+            low = copy.deepcopy(reference).to(torch.bfloat16)
+            with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+                logits = low(idx[2 * r : 2 * r + 2]).float()  # Fabric's convert_output returns fp32
+            ref_loss = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), tgt[2 * r : 2 * r + 2].flatten()
+            )
+            ref_loss.backward()
+            if r == rank:
+                mine_ref = ref_loss.item()
+            g = [p.grad.float() for p in low.parameters()]
+            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+        assert grads is not None
+        for p, g in zip(reference.parameters(), grads):
+            p.grad = g / world
+        ref_opt.step()
+        ref_opt.zero_grad()
+        logits = model(idx[2 * rank : 2 * rank + 2])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt[2 * rank : 2 * rank + 2].flatten())
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        worst_loss = max(worst_loss, abs(loss.item() - mine_ref))
+    full, _ = flatshard.get_state_dict(model, rank0_only=False)
+    weights = max(
+        (full[k] - v).abs().max().item() for k, v in reference.state_dict().items() if v.is_floating_point()
+    )
+    dtypes = sorted({str(v.dtype) for v in full.values() if v.is_floating_point()})
+    return {"loss": worst_loss, "weights": weights, "dtypes": dtypes}
+
+
+def _run_fp16_scaler(rank: int, world: int) -> str:
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    fabric = Fabric(accelerator="cpu", devices=world, strategy="flatshard", plugins=[plugin])
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(TinyGPT())
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    idx, tgt = make_batch(0, 2 * world)
+    loss = torch.nn.functional.cross_entropy(
+        model(idx[2 * rank : 2 * rank + 2]).float().flatten(0, 1), tgt[2 * rank : 2 * rank + 2].flatten()
+    )
+    fabric.backward(loss)
+    fabric.clip_gradients(model, optimizer, max_norm=1.0)
+    optimizer.step()
+    return type(fabric.strategy.precision.scaler).__name__  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(300)
+def test_fabric_mixed_precision() -> None:
+    for r in spawn(_run_mixed, 2):
+        assert r["loss"] <= 1e-6 and r["weights"] <= 1e-6, r
+        assert r["dtypes"] == ["torch.float32"]
+    assert spawn(_run_fp16_scaler, 2) == ["FlatShardGradScaler"] * 2

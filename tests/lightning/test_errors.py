@@ -91,10 +91,6 @@ def test_auto_wrap_policy_of_the_wrong_kind() -> None:
 
 
 LATER_FEATURES = [
-    (
-        {"mixed_precision": flatshard.MixedPrecision(param_dtype=torch.bfloat16)},
-        "mixed_precision.*mixed precision",
-    ),
     ({"cpu_offload": True}, "cpu_offload.*CPU offload"),
     ({"cpu_offload": flatshard.CPUOffload(offload_params=True)}, "cpu_offload.*CPU offload"),
     ({"shard_group_size": 2}, "shard_group_size.*hybrid"),
@@ -172,15 +168,14 @@ def test_defaults_of_later_features_are_accepted() -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "16-true", "64-true"])
 @pytest.mark.parametrize("strategy", ["flatshard", "object"])
-def test_precision_other_than_32_true_is_not_implemented(precision: str, strategy: str) -> None:
-    chosen: Any = flatshard.FlatShardStrategy() if strategy == "object" else strategy
-    with pytest.raises(NotImplementedError, match="precision"):
-        _trainer(strategy=chosen, precision=precision)
-    assert isinstance(
-        _trainer(strategy="flatshard", precision="32-true").strategy, flatshard.FlatShardStrategy
-    )
+def test_precision_flags_map_onto_flatshard_precision(strategy: str) -> None:
+    for precision in ("32-true", "bf16-mixed", "bf16-true", "16-true"):
+        chosen: Any = flatshard.FlatShardStrategy() if strategy == "object" else strategy
+        plugin = _trainer(strategy=chosen, precision=precision).strategy.precision_plugin
+        assert type(plugin).__name__ == "FlatShardPrecision" and plugin.precision == precision
+    with pytest.raises(ValueError, match="64-true"):
+        _trainer(strategy="flatshard", precision="64-true")
 
 
 @pytest.mark.timeout(300)

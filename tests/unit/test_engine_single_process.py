@@ -113,7 +113,6 @@ def test_tied_param_shared_outside_a_manually_sharded_unit_is_an_error() -> None
 
 def test_not_yet_available_features_raise_not_implemented() -> None:
     for kwargs in (
-        {"mixed_precision": flatshard.MixedPrecision(param_dtype=torch.bfloat16)},
         {"cpu_offload": True},
         {"sharding_strategy": "HYBRID_SHARD"},
     ):

@@ -7,6 +7,7 @@ lists the accepted values), so the rest of the engine only ever sees typed value
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ __all__ = [
     "MixedPrecision",
     "ShardingStrategy",
     "normalize_backward_prefetch",
+    "normalize_mixed_precision",
     "normalize_sharding_strategy",
 ]
 
@@ -97,8 +99,10 @@ class MixedPrecision:
         param_dtype: dtype of the gathered parameters used for compute. Default: ``None``.
         reduce_dtype: dtype gradients are reduced in; defaults to ``param_dtype`` when that is set.
         buffer_dtype: dtype buffers are cast to for compute. Default: ``None``.
-        keep_low_precision_grads: keep gradients in ``param_dtype`` after reduction. Default: ``False``.
-        cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``. Default: ``True``.
+        keep_low_precision_grads: keep gradient shards in ``reduce_dtype`` instead of casting them to the
+            parameters' dtype (for optimizers that handle low-precision gradients). Default: ``False``.
+        cast_forward_inputs: cast floating-point forward inputs of each unit to ``param_dtype``, inside
+            autograd. Default: ``True``.
     """
 
     param_dtype: torch.dtype | None = None
@@ -117,6 +121,16 @@ class MixedPrecision:
             raise TypeError(
                 f"MixedPrecision got non-dtype values: {', '.join(bad)}. HINT: pass e.g. torch.bfloat16."
             )
+        not_float = [
+            f"{name}={getattr(self, name)}"
+            for name in ("param_dtype", "reduce_dtype", "buffer_dtype")
+            if getattr(self, name) is not None and not getattr(self, name).is_floating_point
+        ]
+        if not_float:
+            raise ValueError(
+                f"MixedPrecision dtypes must be floating point, got {', '.join(not_float)}. HINT: use "
+                "torch.bfloat16, torch.float16 or torch.float32."
+            )
 
 
 @dataclass(frozen=True)
@@ -128,3 +142,70 @@ class CPUOffload:
     """
 
     offload_params: bool = False
+
+
+_DTYPE_NAMES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "double": torch.float64,
+}
+
+
+def _to_dtype(value: object, field: str) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        if key in _DTYPE_NAMES:
+            return _DTYPE_NAMES[key]
+    raise ValueError(
+        f"mixed_precision.{field}={value!r} is not a floating-point dtype. HINT: use a torch.dtype or one of "
+        f"{', '.join(repr(k) for k in _DTYPE_NAMES)}."
+    )
+
+
+def normalize_mixed_precision(value: object) -> MixedPrecision | None:
+    """``None`` / a :class:`MixedPrecision` / a mapping of its fields (dtypes may be strings) -> ours.
+
+    torch FSDP's ``MixedPrecision`` is accepted too (same field names), for migration.
+    """
+    if value is None or isinstance(value, MixedPrecision):
+        return value
+    fields = (
+        "param_dtype",
+        "reduce_dtype",
+        "buffer_dtype",
+        "keep_low_precision_grads",
+        "cast_forward_inputs",
+    )
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(fields))
+        if unknown:
+            raise ValueError(
+                f"mixed_precision has unknown fields {unknown}. HINT: the fields are {', '.join(fields)}."
+            )
+        raw = dict(value)
+    elif all(hasattr(value, f) for f in fields[:3]):
+        raw = {f: getattr(value, f) for f in fields if hasattr(value, f)}
+    else:
+        raise TypeError(
+            f"mixed_precision must be a flatshard.MixedPrecision, a mapping of its fields or None, got "
+            f"{type(value).__name__}: {value!r}."
+        )
+    for f in fields[:3]:
+        if f in raw:
+            raw[f] = _to_dtype(raw[f], f)
+    for f in fields[3:]:
+        if f in raw and not isinstance(raw[f], bool):
+            raise TypeError(f"mixed_precision.{f} must be a bool, got {type(raw[f]).__name__}: {raw[f]!r}.")
+    return MixedPrecision(**raw)

@@ -34,6 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from flatshard.engine import comm, memory
 from flatshard.engine.flat_param import FlatLayout, ShardInfo, flatten_tensors, split_flat
 from flatshard.engine.limiter import AllGatherLimiter
+from flatshard.engine.precision import UnitPrecision, reduce_divisors
 from flatshard.engine.streams import CommContext
 from flatshard.engine.wrap import Alias
 
@@ -101,6 +102,20 @@ def _free_storage(t: torch.Tensor) -> None:
         storage.resize_(0)
 
 
+def _set_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """``param.grad = grad``, also for a gradient kept in a lower precision than the parameter.
+
+    Autograd refuses a ``.grad`` of another dtype; a placeholder of the parameter's dtype (no memory:
+    all strides zero) is assigned instead and its data swapped for the low-precision gradient.
+    """
+    if grad.dtype == param.dtype:
+        param.grad = grad
+        return
+    placeholder = torch.empty(1, dtype=param.dtype, device=grad.device).expand(grad.shape)
+    param.grad = placeholder
+    param.grad.data = grad
+
+
 class FlatParamHandle:
     """One unit's parameters, flattened and sharded over ``shard_group`` (see the module notes).
 
@@ -112,6 +127,7 @@ class FlatParamHandle:
         replicate_group: ranks holding the same shard, whose gradients are all-reduced (or ``None``).
         device: where the shard lives and compute happens.
         sync_group: if given, the flat parameter is broadcast from this group's rank 0 before sharding.
+        precision: the unit's dtypes (see [Note: mixed precision]); default: the parameters' own dtype.
     """
 
     def __init__(
@@ -123,6 +139,7 @@ class FlatParamHandle:
         replicate_group: Any | None,
         device: torch.device,
         sync_group: Any | None = None,
+        precision: UnitPrecision | None = None,
     ) -> None:
         if not params:
             raise ValueError("FlatParamHandle needs at least one parameter.")
@@ -140,6 +157,12 @@ class FlatParamHandle:
         self.replicate_group = replicate_group
         self.device = device
         self.dtype: torch.dtype = next(iter(dtypes))
+        self.precision = precision or UnitPrecision.resolve(None, self.dtype)
+        if self.precision.param != self.dtype:
+            raise ValueError(
+                f"precision was resolved for {self.precision.param}, the parameters are {self.dtype}."
+            )
+        compute = self.precision.compute
         distributed = shard_group is not None and dist.is_available() and dist.is_initialized()
         self.shard_world = dist.get_world_size(shard_group) if distributed else 1
         self.shard_rank = dist.get_rank(shard_group) if distributed else 0
@@ -164,12 +187,14 @@ class FlatParamHandle:
         # Collectives write into _gather; _flat, the autograd leaf, shares its storage through ``.data``
         # but keeps a version counter of its own, so gathering again for backward does not invalidate
         # the views autograd saved in forward. See [Note: freeing gathered storage].
-        if self.shard_world == 1:
-            self._gather: torch.Tensor = self._sharded  # one-rank group: the shard is the whole flat param
+        # With one rank and no dtype change, the shard is the whole flat parameter and is used directly.
+        self._gather_is_shard = self.shard_world == 1 and not self.precision.mixed
+        if self._gather_is_shard:
+            self._gather: torch.Tensor = self._sharded
         else:
-            self._gather = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=device)
+            self._gather = torch.empty(self.layout.padded_numel, dtype=compute, device=device)
             _free_storage(self._gather)
-        self._flat: torch.Tensor = torch.empty(0, dtype=self.dtype, device=device)
+        self._flat: torch.Tensor = torch.empty(0, dtype=compute, device=device)
         self._flat.data = self._gather
         self._flat.requires_grad_(self.any_requires_grad)
         # The gradient shard (1-D, like _sharded). Held strongly only during a backward pass; between
@@ -219,7 +244,7 @@ class FlatParamHandle:
         The buffer is allocated here (on the compute stream) rather than by autograd, so large CPU
         buffers get huge pages (see [Note: huge pages for CPU buffers]).
         """
-        flat = memory.empty_flat(self.layout.padded_numel, self.dtype, self.device)
+        flat = memory.empty_flat(self.layout.padded_numel, self._flat.dtype, self.device)
         pieces = split_flat(flat, self.layout)
         written = [False] * len(self.params)
         for i, grad in zip(self._trainable, grads, strict=True):
@@ -241,21 +266,39 @@ class FlatParamHandle:
         if self.state is HandleState.UNSHARDED:
             return
         self.state = HandleState.UNSHARDED
-        if self.shard_world == 1:
+        if self._gather_is_shard:
             return
-        if limiter is not None:
+        if limiter is not None and self.shard_world > 1:
             limiter.before_all_gather()  # see [Note: rate limiter]
         _alloc_storage(self._gather)  # on the compute stream
         memory.advise_hugepages(self._gather)
-        if streams is not None and streams.is_cuda:
+        cuda = streams is not None and streams.is_cuda
+        if self.shard_world == 1:  # one rank, mixed precision: the cast is the whole "gather"
+            self._gather.copy_(self._sharded)
+            return
+        source = self._sharded
+        cast_done = None
+        if self.precision.mixed:  # all-gather a low-precision copy of the shard, cast on pre_unshard
+            source = torch.empty(self._sharded.numel(), dtype=self._gather.dtype, device=self.device)
+            if cuda:
+                assert streams is not None
+                streams.side_waits_compute(streams.pre_unshard)
+                with streams.on(streams.pre_unshard):
+                    source.copy_(self._sharded)
+                cast_done = streams.record(streams.pre_unshard)
+            else:
+                source.copy_(self._sharded)
+        if cuda:
+            assert streams is not None
             streams.side_waits_compute(streams.unshard)
+            streams.wait(cast_done, streams.unshard)
             with streams.on(streams.unshard):
-                pending = comm.all_gather_flat(self._gather, self._sharded, self.shard_group)
+                pending = comm.all_gather_flat(self._gather, source, self.shard_group)
                 pending.wait()  # the unshard stream (not the CPU) waits for the collective
-                self._pending_unshard = _InFlight(pending, streams.record(streams.unshard), None)
+                self._pending_unshard = _InFlight(pending, streams.record(streams.unshard), source)
         else:
-            pending = comm.all_gather_flat(self._gather, self._sharded, self.shard_group)
-            self._pending_unshard = _InFlight(pending, None, None)
+            pending = comm.all_gather_flat(self._gather, source, self.shard_group)
+            self._pending_unshard = _InFlight(pending, None, source)
 
     def wait_unshard(self, streams: CommContext | None = None) -> None:
         """Block the compute stream (CUDA) or the CPU (gloo) until the gather has landed."""
@@ -273,9 +316,9 @@ class FlatParamHandle:
             return
         self.wait_unshard(streams)  # never free a buffer a collective may still write (unused prefetch)
         self.use_sharded_views()
-        if self.shard_world > 1:
+        if not self._gather_is_shard:
             _free_storage(self._gather)
-            if limiter is not None and streams is not None:
+            if limiter is not None and streams is not None and self.shard_world > 1:
                 limiter.record_free(streams.record)
         self.state = HandleState.SHARDED
 
@@ -288,14 +331,22 @@ class FlatParamHandle:
     def reduce_grad(self, flat_grad: torch.Tensor, streams: CommContext | None = None) -> _InFlight:
         """Start reducing an unsharded flat gradient to this rank's gradient shard (a SUM; see finish_grad).
 
-        ``flat_grad`` is kept alive in the returned record until :meth:`finish_grad` has waited.
+        ``flat_grad`` is kept alive in the returned record until :meth:`finish_grad` has waited. Under
+        mixed precision it is cast to the reduce dtype first, and part of the average is taken before
+        the reduction in 16-bit dtypes (:func:`~flatshard.engine.precision.reduce_divisors`).
         """
+        reduce_dtype = self.precision.reduce
+        if flat_grad.dtype != reduce_dtype:
+            flat_grad = flat_grad.to(reduce_dtype)
+        pre, _ = reduce_divisors(self.shard_world * self.replicate_world, reduce_dtype)
+        if pre != 1.0:
+            flat_grad.div_(pre)
         if self.shard_world == 1:
             if self.replicate_world == 1:
                 return _InFlight(comm.Pending(flat_grad, None), None, flat_grad)
             out, collective = flat_grad, _all_reduce_into
         else:
-            out = memory.empty_flat(self._sharded.numel(), self.dtype, self.device)  # on compute
+            out = memory.empty_flat(self._sharded.numel(), reduce_dtype, self.device)  # on compute
             collective = _reduce_scatter_into
         if streams is not None and streams.is_cuda:
             streams.side_waits_compute(streams.post_backward)
@@ -314,9 +365,11 @@ class FlatParamHandle:
             grad = inflight.pending.wait()
         if self.shard_world > 1 and self.replicate_world > 1:
             comm.all_reduce_flat(grad, self.replicate_group, async_op=False)
-        world = self.shard_world * self.replicate_world
-        if world > 1:
-            grad.div_(world)
+        _, post = reduce_divisors(self.shard_world * self.replicate_world, grad.dtype)
+        if grad.dtype != self.precision.grad:
+            grad = grad.to(self.precision.grad)
+        if post != 1.0:
+            grad.div_(post)
         self._accumulate(grad)
 
     def _accumulate(self, grad: torch.Tensor) -> None:
@@ -362,7 +415,7 @@ class FlatParamHandle:
                 continue
             view = self._shard_piece(self._sharded_grad, i)
             if p.grad is None or p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
-                p.grad = view
+                _set_grad(p, view)
         self.reset_backward()
 
     def reset_backward(self) -> None:

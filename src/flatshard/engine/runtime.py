@@ -33,6 +33,7 @@ from flatshard.engine.config import BackwardPrefetch, ShardingStrategy
 from flatshard.engine.exec_order import ExecOrder
 from flatshard.engine.handle import FlatParamHandle
 from flatshard.engine.limiter import AllGatherLimiter
+from flatshard.engine.precision import cast_floating
 from flatshard.engine.streams import CommContext
 
 __all__ = ["RootContext", "TrainingState", "UnitState", "get_unit_state"]
@@ -210,6 +211,12 @@ class UnitState:
                 ctx.unshard(ctx.order.next_forward(self))  # overlaps this unit's compute
             self.handle.wait_unshard(ctx.streams)
             self.handle.use_unsharded_views()
+            precision = self.handle.precision
+            if precision.mixed and precision.cast_forward_inputs:  # see [Note: mixed precision]
+                args, kwargs = (
+                    cast_floating(args, precision.compute),
+                    cast_floating(kwargs, precision.compute),
+                )
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:

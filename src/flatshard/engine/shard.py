@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -20,9 +20,16 @@ from flatshard.engine.config import (
     MixedPrecision,
     ShardingStrategy,
     normalize_backward_prefetch,
+    normalize_mixed_precision,
     normalize_sharding_strategy,
 )
 from flatshard.engine.handle import FlatParamHandle
+from flatshard.engine.precision import (
+    UnitPrecision,
+    cast_buffers,
+    full_precision_modules,
+    keep_full_precision,
+)
 from flatshard.engine.process_groups import resolve_groups
 from flatshard.engine.runtime import STATE_ATTR, UnitState, get_unit_state
 from flatshard.engine.wrap import PolicyLike, plan_units, resolve_policy, select_unit_modules
@@ -52,7 +59,7 @@ def shard(
     process_group: Any | None = None,
     device: torch.device | str | int | None = None,
     sync_module_states: bool = False,
-    mixed_precision: MixedPrecision | None = None,
+    mixed_precision: MixedPrecision | Mapping[str, Any] | None = None,
     cpu_offload: CPUOffload | bool | None = None,
     limit_all_gathers: bool = True,
     backward_prefetch: BackwardPrefetch | str | None = BackwardPrefetch.BACKWARD_PRE,
@@ -88,7 +95,11 @@ def shard(
             an int (modules with at least that many parameters), a callable ``module -> bool`` or a torch-
             FSDP-style policy callable. The outermost matching modules are checkpointed (non-reentrant);
             parameter names and checkpoints do not change. Default: ``None``.
-        mixed_precision, cpu_offload: later releases; the defaults are accepted.
+        mixed_precision: a :class:`MixedPrecision` (or a mapping of its fields, dtypes as strings like
+            ``"bf16"``): gather and compute in ``param_dtype``, reduce gradients in ``reduce_dtype``, keep
+            fp32 shards for the optimizer and checkpoints (see [Note: mixed precision]). Batch-norm
+            modules become units of their own in full precision. Default: ``None``.
+        cpu_offload: a later release; the default is accepted.
 
     Returns:
         ``module`` itself.
@@ -103,8 +114,7 @@ def shard(
     strategy = normalize_sharding_strategy(sharding_strategy)
     if strategy.is_hybrid:
         raise _not_yet("hybrid sharding", f"sharding_strategy={strategy.name}", "the hybrid sharding issue")
-    if mixed_precision is not None:
-        raise _not_yet("mixed precision", "mixed_precision=...", "the precision and memory issue")
+    mp = normalize_mixed_precision(mixed_precision)
     if cpu_offload is not None and (cpu_offload is True or getattr(cpu_offload, "offload_params", False)):
         raise _not_yet("CPU offload", "cpu_offload=...", "the precision and memory issue")
     prefetch = normalize_backward_prefetch(backward_prefetch)
@@ -128,6 +138,12 @@ def shard(
     # Only the outermost finished units matter: their subtrees are done.
     managed = {p for m in finished for s in [get_unit_state(m)] if s and s.handle for p in s.handle.params}
     unit_modules = select_unit_modules(module, policy, ignored, finished)
+    full_precision: list[nn.Module] = []
+    if mp is not None and mp.param_dtype is not None:
+        inside_finished = {sub for m in finished for sub in m.modules()}
+        full_precision = [m for m in full_precision_modules(module, ignored) if m not in inside_finished]
+        chosen = set(unit_modules) | set(full_precision)
+        unit_modules = [m for m in module.modules() if m in chosen]
     plans = plan_units(module, unit_modules, ignored, finished, managed)
     names = {p: n for n, p in module.named_parameters(remove_duplicate=True)}
     sync_group = dist.group.WORLD if sync_module_states and dist.is_initialized() else None
@@ -139,8 +155,13 @@ def shard(
         "backward_prefetch": prefetch,
         "forward_prefetch": forward_prefetch,
         "limit_all_gathers": limit_all_gathers,
+        "mixed_precision": mp,
     }
     _move_buffers(module, target, ignored, sync_group)
+    cast_buffers(module, mp.buffer_dtype if mp is not None else None, ignored | set(full_precision))
+    for m in full_precision:
+        keep_full_precision(m, next((p.dtype for p in m.parameters()), torch.float32))
+    full_precision_set = set(full_precision)
     for plan in plans:
         handle = None
         if plan.params:
@@ -152,6 +173,9 @@ def shard(
                 replicate_group,
                 target,
                 sync_group=sync_group,
+                precision=UnitPrecision.resolve(
+                    None if plan.module in full_precision_set else mp, plan.params[0].dtype
+                ),
             )
         plan.module.__dict__[STATE_ATTR] = UnitState(plan.module, handle, strategy, config)
     if checkpoint_check is not None:

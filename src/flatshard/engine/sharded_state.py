@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from flatshard.engine.handle import FlatParamHandle, handle_of_param
+from flatshard.engine.precision import original_buffer_dtypes
 from flatshard.engine.state_dict import prepare_for_state_io
 
 __all__ = [
@@ -89,6 +90,7 @@ def sharded_model_state_dict(module: nn.Module) -> dict[str, Any]:
     prepare_for_state_io(module, "get_state_dict")
     out: dict[str, Any] = {}
     shards: dict[int, ParamShard] = {}
+    restore = original_buffer_dtypes(module)
     for key, value in module.state_dict(keep_vars=True).items():
         handle = handle_of_param(value) if isinstance(value, torch.Tensor) else None
         if handle is not None:
@@ -96,7 +98,7 @@ def sharded_model_state_dict(module: nn.Module) -> dict[str, Any]:
                 shards[id(value)] = _shard_of(handle, _position(handle, value), value.detach())
             out[key] = shards[id(value)]
         elif isinstance(value, torch.Tensor):
-            out[key] = value.detach()
+            out[key] = value.detach().to(restore.get(key, value.dtype))
         else:
             out[key] = value
     return out

@@ -17,6 +17,7 @@ import torch.nn as nn
 from flatshard.engine import comm
 from flatshard.engine.gather import GatherItem, gather_items
 from flatshard.engine.handle import FlatParamHandle, handle_of_param
+from flatshard.engine.precision import original_buffer_dtypes
 from flatshard.engine.runtime import TrainingState, UnitState
 from flatshard.engine.shard import unit_states
 
@@ -116,9 +117,12 @@ def plan_full_model_state_dict(
             for i, p in enumerate(h.params):
                 gathered[id(p)] = tensors[i]
         out: dict[str, Any] = {}
+        restore = original_buffer_dtypes(module)
         for key, value in module.state_dict(keep_vars=True).items():
-            if isinstance(value, torch.Tensor):
-                out[key] = gathered[id(value)] if id(value) in gathered else copy_out(value, cpu_offload)
+            if id(value) in gathered:
+                out[key] = gathered[id(value)]
+            elif isinstance(value, torch.Tensor):
+                out[key] = copy_out(value, cpu_offload).to(restore.get(key, value.dtype))
             else:
                 out[key] = value
         return out

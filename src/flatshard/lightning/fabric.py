@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
+from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -38,6 +40,7 @@ from flatshard.engine.state_dict import (
 )
 from flatshard.lightning.distributed import barrier, broadcast_object, init_process_group, reduce_tensor
 from flatshard.lightning.options import StrategyOptions
+from flatshard.lightning.precision import mixed_precision_for, sharded_scaler
 from flatshard.lightning.strategy import _move_metrics
 
 if TYPE_CHECKING:
@@ -140,10 +143,13 @@ class FlatShardFabricStrategy(ParallelStrategy):
     @precision.setter
     @override
     def precision(self, precision: Precision | None) -> None:
-        if precision is not None and type(precision) is not Precision:
-            raise NotImplementedError(
-                f"precision={getattr(precision, 'precision', precision)!r} is not available with flatshard in this "
-                "release yet (mixed precision arrives with the precision and memory issue). HINT: use '32-true'."
+        if isinstance(precision, FabricMixedPrecision) and type(precision) is FabricMixedPrecision:
+            # the inf/NaN check of loss scaling must agree across shards: see [Note: precision flags]
+            precision.scaler = sharded_scaler(precision.scaler, precision.device)
+        elif precision is not None and type(precision) not in (Precision, FabricHalfPrecision):
+            raise ValueError(
+                f"precision={getattr(precision, 'precision', precision)!r} ({type(precision).__name__}) is not "
+                "supported with flatshard. HINT: use '32-true', 'bf16-mixed', '16-mixed', 'bf16-true' or '16-true'."
             )
         self._precision = precision
 
@@ -165,7 +171,8 @@ class FlatShardFabricStrategy(ParallelStrategy):
     @override
     def setup_module(self, module: Module) -> Module:
         if not is_sharded(module):
-            shard(module, **self.options.shard_kwargs(self.root_device))
+            flag = str(getattr(self.precision, "precision", "32-true"))
+            shard(module, **self.options.shard_kwargs(self.root_device, mixed_precision_for(flag)))
         _move_metrics(module, self.root_device)
         self._sharded_modules.append(module)
         return module

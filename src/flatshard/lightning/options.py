@@ -15,8 +15,10 @@ from flatshard.engine.checkpointing import CheckFn, resolve_checkpointing_policy
 from flatshard.engine.config import (
     BackwardPrefetch,
     CPUOffload,
+    MixedPrecision,
     ShardingStrategy,
     normalize_backward_prefetch,
+    normalize_mixed_precision,
     normalize_sharding_strategy,
 )
 from flatshard.engine.wrap import Policy, resolve_policy
@@ -39,6 +41,7 @@ class StrategyOptions:
     sharding_strategy: ShardingStrategy
     auto_wrap_policy: Policy | None
     activation_checkpointing_policy: CheckFn | None
+    mixed_precision: MixedPrecision | None
     backward_prefetch: BackwardPrefetch | None
     forward_prefetch: bool
     limit_all_gathers: bool
@@ -80,10 +83,6 @@ class StrategyOptions:
             raise TypeError(f"cpu_offload must be a bool or CPUOffload, got {type(cpu_offload).__name__}.")
         if cpu_offload is True or getattr(cpu_offload, "offload_params", False):
             raise _later("cpu_offload", cpu_offload, "CPU offload", "the precision and memory issue")
-        if mixed_precision is not None:
-            raise _later(
-                "mixed_precision", mixed_precision, "mixed precision", "the precision and memory issue"
-            )
         for arg, value in (
             ("limit_all_gathers", limit_all_gathers),
             ("forward_prefetch", forward_prefetch),
@@ -99,6 +98,7 @@ class StrategyOptions:
             sharding_strategy=strategy,
             auto_wrap_policy=resolve_policy(auto_wrap_policy),
             activation_checkpointing_policy=checkpoint_check,
+            mixed_precision=normalize_mixed_precision(mixed_precision),
             backward_prefetch=normalize_backward_prefetch(backward_prefetch),
             forward_prefetch=forward_prefetch,
             limit_all_gathers=limit_all_gathers,
@@ -107,9 +107,11 @@ class StrategyOptions:
             start_method=start_method,
         )
 
-    def shard_kwargs(self, device: torch.device) -> dict[str, Any]:
-        """Arguments for ``flatshard.shard`` on ``device``."""
+    def shard_kwargs(self, device: torch.device, precision: MixedPrecision | None = None) -> dict[str, Any]:
+        """Arguments for ``flatshard.shard`` on ``device``; ``precision`` is the precision plugin's config,
+        used unless ``mixed_precision`` was given explicitly."""
         return {
+            "mixed_precision": self.mixed_precision if self.mixed_precision is not None else precision,
             "sharding_strategy": self.sharding_strategy,
             "auto_wrap_policy": self.auto_wrap_policy,
             "activation_checkpointing_policy": self.activation_checkpointing_policy,

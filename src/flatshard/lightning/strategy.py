@@ -81,7 +81,9 @@ class FlatShardStrategy(ParallelStrategy):
             parameters), or a callable (``module -> bool`` or the ``auto_wrap_policy`` contract). Applied
             inside units, non-reentrant; parameter names and checkpoints are unchanged. Default: ``None``.
         cpu_offload: later release; must be falsy.
-        mixed_precision: later release; must be ``None``.
+        mixed_precision: a ``flatshard.MixedPrecision`` (or a mapping of its fields): the dtypes units gather,
+            compute and reduce in. Default: what ``Trainer(precision=...)`` implies (``"bf16-mixed"``: bf16
+            compute, fp32 reduction and shards); given explicitly, it replaces those dtypes.
         limit_all_gathers: rate-limit all-gathers so at most two unsharded buffers are pending (CUDA).
             Default: ``True``.
         backward_prefetch: ``"BACKWARD_PRE"`` (default: gather the next unit before the current unit's
@@ -249,7 +251,8 @@ class FlatShardStrategy(ParallelStrategy):
         if is_sharded(model):
             log.debug("flatshard: model is already sharded; reusing its units.")
         else:
-            shard(model, **self.options.shard_kwargs(self.root_device))
+            config = self.precision_plugin.mixed_precision_config
+            shard(model, **self.options.shard_kwargs(self.root_device, config))
         _move_metrics(model, self.root_device)
         return model
 
