@@ -179,10 +179,13 @@ def test_precision_flags_map_onto_flatshard_precision(strategy: str) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_empty_init_is_not_implemented() -> None:
+def test_empty_init_builds_on_the_meta_device() -> None:
     trainer = _trainer(strategy="flatshard")
-    with pytest.raises(NotImplementedError, match="empty_init"), trainer.init_module(empty_init=True):
-        pass
+    with trainer.init_module(empty_init=True):
+        layer = torch.nn.Linear(2, 2)
+    assert layer.weight.is_meta
+    with pytest.raises(TypeError, match="param_init_fn must be a callable"):
+        flatshard.FlatShardStrategy(param_init_fn=3)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- bad checkpoints, on 2 ranks

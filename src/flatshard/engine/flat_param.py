@@ -94,12 +94,14 @@ class FlatLayout:
         return max(0, min(hi, self.total_numel) - lo)
 
 
-def flatten_tensors(tensors: list[torch.Tensor], layout: FlatLayout) -> torch.Tensor:
-    """Concatenate ``tensors`` into one padded 1-D tensor laid out as ``layout`` says."""
+def flatten_tensors(
+    tensors: list[torch.Tensor], layout: FlatLayout, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Concatenate ``tensors`` into one padded 1-D tensor laid out as ``layout`` says (into ``out`` if given)."""
     if not tensors:
         raise ValueError("flatten_tensors needs at least one tensor.")
     dtype, device = tensors[0].dtype, tensors[0].device
-    flat = torch.empty(layout.padded_numel, dtype=dtype, device=device)
+    flat = torch.empty(layout.padded_numel, dtype=dtype, device=device) if out is None else out
     torch.cat([t.detach().reshape(-1) for t in tensors], out=flat[: layout.total_numel])
     if layout.padding:
         flat[layout.total_numel :].zero_()

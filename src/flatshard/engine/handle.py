@@ -175,14 +175,24 @@ class FlatParamHandle:
         self.all_require_grad = all(self.requires_grad)
         self.state = HandleState.SHARDED
 
-        full = flatten_tensors([p.detach().to(device) for p in params], self.layout)
+        # Sharded over several CPU ranks, the full flat tensor is transient: a mapping of its own returns it
+        # to the system when freed (heap memory would stay with the process; see [Note: materializing unit by unit]).
+        transient = self.shard_world > 1 and device.type == "cpu"
+        out = memory.empty_mapped((self.layout.padded_numel,), self.dtype) if transient else None
+        full = flatten_tensors([p.detach().to(device) for p in params], self.layout, out=out)
         if sync_group is not None:
             dist.broadcast(full, src=dist.get_global_rank(sync_group, 0), group=sync_group)
         if self.shard_world == 1:
             self._sharded: torch.Tensor = full  # 1-D, padded_numel == total_numel
         else:
             lo, hi = self.layout.shard_range(self.shard_rank)
-            self._sharded = full[lo:hi].clone()  # 1-D, shard_numel
+            if device.type == "cpu":
+                # The shard lives as long as the model: a mapping of its own (for large shards) keeps it
+                # from pinning heap memory that the transient full tensors of later units would reuse.
+                self._sharded = memory.empty_mapped((hi - lo,), self.dtype)
+                self._sharded.copy_(full[lo:hi])
+            else:
+                self._sharded = full[lo:hi].clone()  # 1-D, shard_numel
             del full
         # Collectives write into _gather; _flat, the autograd leaf, shares its storage through ``.data``
         # but keeps a version counter of its own, so gathering again for backward does not invalidate

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -24,6 +25,7 @@ from flatshard.engine.config import (
     normalize_sharding_strategy,
 )
 from flatshard.engine.handle import FlatParamHandle
+from flatshard.engine.materialize import ParamInitFn, has_meta_tensors, materialize_modules, materialize_unit
 from flatshard.engine.precision import (
     UnitPrecision,
     cast_buffers,
@@ -65,6 +67,7 @@ def shard(
     backward_prefetch: BackwardPrefetch | str | None = BackwardPrefetch.BACKWARD_PRE,
     forward_prefetch: bool = False,
     activation_checkpointing_policy: Any = None,
+    param_init_fn: ParamInitFn | None = None,
 ) -> nn.Module:
     """Shard ``module`` in place over the ranks of ``process_group`` and return it.
 
@@ -100,6 +103,11 @@ def shard(
             fp32 shards for the optimizer and checkpoints (see [Note: mixed precision]). Batch-norm
             modules become units of their own in full precision. Default: ``None``.
         cpu_offload: a later release; the default is accepted.
+        param_init_fn: for a module built on the meta device: called with each module that holds meta
+            parameters, after their storage is allocated on ``device``; it must initialize them in place.
+            Default: ``None`` (the module's own ``reset_parameters()``). Modules are materialized one unit
+            at a time, right before the unit is sharded (see [Note: materializing unit by unit]), so the
+            whole model never exists unsharded.
 
     Returns:
         ``module`` itself.
@@ -128,10 +136,16 @@ def shard(
     target = torch.device(device) if device is not None else _default_device(shard_group)
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
-    if any(p.is_meta for p in module.parameters()):
-        raise NotImplementedError(
-            "shard(): the module has parameters on the meta device; meta-device init is not available in this "
-            "flatshard release yet (the precision and memory issue). HINT: build the model on CPU for now."
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise TypeError(
+            f"param_init_fn must be a callable taking a module, got {type(param_init_fn).__name__}."
+        )
+    deferred = any(has_meta_tensors(m, recurse=False) for m in module.modules() if m not in ignored)
+    if param_init_fn is not None and not deferred:
+        warnings.warn(
+            "shard(param_init_fn=...) was given but no parameter or buffer is on the meta device, so it is not "
+            "called. HINT: build the model under torch.device('meta') (or trainer.init_module(empty_init=True)).",
+            stacklevel=2,
         )
 
     finished = {m for m in module.modules() if m is not module and get_unit_state(m) is not None}
@@ -157,18 +171,20 @@ def shard(
         "limit_all_gathers": limit_all_gathers,
         "mixed_precision": mp,
     }
-    _move_buffers(module, target, ignored, sync_group)
-    cast_buffers(module, mp.buffer_dtype if mp is not None else None, ignored | set(full_precision))
     for m in full_precision:
         keep_full_precision(m, next((p.dtype for p in m.parameters()), torch.float32))
     full_precision_set = set(full_precision)
+    module_names = {m: n or "<root>" for n, m in module.named_modules()} if deferred else {}
     for plan in plans:
         handle = None
+        param_names = [names.get(p, "?") for p in plan.params]
+        if deferred:  # see [Note: materializing unit by unit]
+            materialize_unit(plan, target, param_init_fn, module_names)
         if plan.params:
             handle = FlatParamHandle(
                 plan.params,
                 plan.aliases,
-                [names.get(p, "?") for p in plan.params],
+                param_names,
                 shard_group,
                 replicate_group,
                 target,
@@ -178,6 +194,12 @@ def shard(
                 ),
             )
         plan.module.__dict__[STATE_ATTR] = UnitState(plan.module, handle, strategy, config)
+    if deferred:  # modules with meta buffers only
+        materialize_modules(
+            [m for m in module.modules() if m not in ignored], target, param_init_fn, module_names
+        )
+    _move_buffers(module, target, ignored, sync_group)
+    cast_buffers(module, mp.buffer_dtype if mp is not None else None, ignored | set(full_precision))
     if checkpoint_check is not None:
         _checkpoint_inside_units(module, checkpoint_check, ignored)
     return module

@@ -7,6 +7,8 @@ one full checkpoint file (plain model and optimizer state dicts).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -72,6 +74,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
         forward_prefetch: bool = False,
         state_dict_type: Literal["full", "sharded"] = "full",
         sync_module_states: bool = False,
+        param_init_fn: Callable[[Module], None] | None = None,
         shard_group_size: int | None = None,
         process_group: Any | None = None,
         device_mesh: Any | None = None,
@@ -95,6 +98,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
             forward_prefetch=forward_prefetch,
             state_dict_type=state_dict_type,
             sync_module_states=sync_module_states,
+            param_init_fn=param_init_fn,
             shard_group_size=shard_group_size,
             process_group=process_group,
             device_mesh=device_mesh,
@@ -176,6 +180,15 @@ class FlatShardFabricStrategy(ParallelStrategy):
         _move_metrics(module, self.root_device)
         self._sharded_modules.append(module)
         return module
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager[Any]:
+        """``empty_init=True`` builds on the meta device; ``setup_module`` materializes unit by unit."""
+        stack = ExitStack()
+        if empty_init:
+            stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
 
     @override
     def module_to_device(self, module: Module) -> None:

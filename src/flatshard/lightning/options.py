@@ -47,6 +47,7 @@ class StrategyOptions:
     limit_all_gathers: bool
     state_dict_type: str
     sync_module_states: bool
+    param_init_fn: Any
     start_method: str
 
     @classmethod
@@ -63,6 +64,7 @@ class StrategyOptions:
         forward_prefetch: Any,
         state_dict_type: Any,
         sync_module_states: Any,
+        param_init_fn: Any,
         shard_group_size: Any,
         process_group: Any,
         device_mesh: Any,
@@ -90,6 +92,10 @@ class StrategyOptions:
         ):
             if not isinstance(value, bool):
                 raise TypeError(f"{arg} must be a bool, got {type(value).__name__}: {value!r}.")
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise TypeError(
+                f"param_init_fn must be a callable taking a module, got {type(param_init_fn).__name__}."
+            )
         if state_dict_type not in _STATE_DICT_TYPES:
             raise ValueError(f"state_dict_type={state_dict_type!r} is not one of {_STATE_DICT_TYPES}.")
         if start_method not in _START_METHODS:
@@ -104,6 +110,7 @@ class StrategyOptions:
             limit_all_gathers=limit_all_gathers,
             state_dict_type=state_dict_type,
             sync_module_states=sync_module_states,
+            param_init_fn=param_init_fn,
             start_method=start_method,
         )
 
@@ -119,5 +126,6 @@ class StrategyOptions:
             "forward_prefetch": self.forward_prefetch,
             "limit_all_gathers": self.limit_all_gathers,
             "sync_module_states": self.sync_module_states,
+            "param_init_fn": self.param_init_fn,
             "device": device,
         }

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Generator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -94,6 +94,10 @@ class FlatShardStrategy(ParallelStrategy):
             any number of devices and ``flatshard consolidate DIR OUT.ckpt`` turns it into a full file.
             Loading accepts either kind whatever this is set to. Default: ``"full"``.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding. Default: ``False``.
+        param_init_fn: initializes modules built on the meta device (``trainer.init_module(empty_init=True)``,
+            or ``torch.device("meta")`` in ``configure_model``): called with each module holding meta
+            parameters once their storage exists; it must fill them in place. Default: ``None`` (each
+            module's ``reset_parameters()``). Materialization goes one unit at a time, right before sharding.
         shard_group_size, process_group, device_mesh: hybrid sharding, a later release; must be ``None``.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default: by device.
         timeout: process-group timeout.
@@ -131,6 +135,7 @@ class FlatShardStrategy(ParallelStrategy):
         forward_prefetch: bool = False,
         state_dict_type: Literal["full", "sharded"] = "full",
         sync_module_states: bool = False,
+        param_init_fn: Callable[[Module], None] | None = None,
         shard_group_size: int | None = None,
         process_group: Any | None = None,
         device_mesh: Any | None = None,
@@ -154,6 +159,7 @@ class FlatShardStrategy(ParallelStrategy):
             forward_prefetch=forward_prefetch,
             state_dict_type=state_dict_type,
             sync_module_states=sync_module_states,
+            param_init_fn=param_init_fn,
             shard_group_size=shard_group_size,
             process_group=process_group,
             device_mesh=device_mesh,
@@ -263,12 +269,12 @@ class FlatShardStrategy(ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        if empty_init:
-            raise NotImplementedError(
-                "empty_init=True (meta-device init) is not available in this flatshard release yet (the precision "
-                "and memory issue). HINT: use trainer.init_module() without empty_init for now."
-            )
-        with self.precision_plugin.tensor_init_context():
+        # empty_init: build on the meta device; shard() materializes one unit at a time (reset_parameters()
+        # or param_init_fn), so the whole model never exists unsharded.
+        with (
+            torch.device("meta") if empty_init else nullcontext(),
+            self.precision_plugin.tensor_init_context(),
+        ):
             yield
 
     # ------------------------------------------------------------------ steps through forward
