@@ -5,7 +5,15 @@
 """
 
 from flatshard.checkpoint import CheckpointError, consolidate, load_checkpoint, save_checkpoint
-from flatshard.engine import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, is_sharded, shard
+from flatshard.engine import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    ShardingStrategy,
+    is_sharded,
+    no_sync,
+    shard,
+)
 from flatshard.engine.api import get_state_dict, set_state_dict
 from flatshard.engine.clip import clip_grad_norm_
 from flatshard.engine.sharded_state import ParamShard
@@ -31,6 +39,7 @@ __all__ = [
     "get_state_dict",
     "is_sharded",
     "load_checkpoint",
+    "no_sync",
     "save_checkpoint",
     "set_state_dict",
     "shard",

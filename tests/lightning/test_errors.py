@@ -56,12 +56,15 @@ def test_unknown_strategy_name_is_named_in_the_error() -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    "name, feature", [("flatshard_hybrid", "hybrid sharding"), ("flatshard_offload", "CPU offload")]
-)
+@pytest.mark.parametrize("name, feature", [("flatshard_hybrid", "hybrid sharding")])
 def test_registered_names_of_later_features_refuse_to_build(name: str, feature: str) -> None:
     with pytest.raises(NotImplementedError, match=feature):
         _trainer(strategy=name)
+
+
+@pytest.mark.timeout(300)
+def test_offload_name_builds_an_offloading_strategy() -> None:
+    assert _trainer(strategy="flatshard_offload").strategy.options.cpu_offload is True
 
 
 @pytest.mark.timeout(300)
@@ -91,8 +94,6 @@ def test_auto_wrap_policy_of_the_wrong_kind() -> None:
 
 
 LATER_FEATURES = [
-    ({"cpu_offload": True}, "cpu_offload.*CPU offload"),
-    ({"cpu_offload": flatshard.CPUOffload(offload_params=True)}, "cpu_offload.*CPU offload"),
     ({"shard_group_size": 2}, "shard_group_size.*hybrid"),
     ({"process_group": object()}, "process_group.*hybrid"),
     ({"device_mesh": (1, 2)}, "device_mesh.*hybrid"),

@@ -94,6 +94,12 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         lambda rank: LitGPT(),
         {"accumulate_grad_batches": 2},
     ),
+    "flatshard_accumulate_no_sync": (
+        lambda: flatshard.FlatShardStrategy(auto_wrap_policy={Block}, grad_accumulation="no_sync"),
+        lambda rank: LitGPT(),
+        {"accumulate_grad_batches": 2},
+    ),
+    "flatshard_offload": (lambda: "flatshard_offload", lambda rank: LitGPT(), {}),
     "flatshard_checkpoint_units": (
         lambda: flatshard.FlatShardStrategy(
             auto_wrap_policy={Block}, activation_checkpointing_policy={Block}
@@ -262,8 +268,10 @@ def test_three_ranks_uneven_shards_match_single_device(
     "name, reference",
     [
         ("flatshard_accumulate", "ddp_accumulate"),
+        ("flatshard_accumulate_no_sync", "ddp_accumulate"),
         ("flatshard_frozen", "ddp_frozen"),
         ("flatshard_sync_module_states", "ddp"),
+        ("flatshard_offload", "ddp"),
         ("flatshard_checkpoint_units", "ddp"),
         ("flatshard_checkpoint_inside", "ddp"),
     ],
@@ -282,7 +290,7 @@ def test_lightning_features_match_ddp(name: str, reference: str, two_ranks: dict
         torch.testing.assert_close(
             info["losses"], two_ranks["ranks"][0][reference]["losses"], atol=1e-5, rtol=1e-5
         )
-    if name == "flatshard_accumulate":
+    if name.startswith("flatshard_accumulate"):
         assert ckpt["global_step"] == STEPS // 2
     if name == "flatshard_frozen":  # frozen weights did not move and have no optimizer state
         initial = LitGPT().state_dict()

@@ -112,10 +112,7 @@ def test_tied_param_shared_outside_a_manually_sharded_unit_is_an_error() -> None
 
 
 def test_not_yet_available_features_raise_not_implemented() -> None:
-    for kwargs in (
-        {"cpu_offload": True},
-        {"sharding_strategy": "HYBRID_SHARD"},
-    ):
+    for kwargs in ({"sharding_strategy": "HYBRID_SHARD"},):
         with pytest.raises(NotImplementedError, match="not available"):
             flatshard.shard(TinyGPT(), **kwargs)
 

@@ -1,7 +1,7 @@
 """The sharding engine: no Lightning import here; usable from plain PyTorch."""
 
 from flatshard.engine.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from flatshard.engine.shard import is_sharded, shard, unit_states
+from flatshard.engine.shard import is_sharded, no_sync, shard, unit_states
 
 __all__ = [
     "BackwardPrefetch",
@@ -9,6 +9,7 @@ __all__ = [
     "MixedPrecision",
     "ShardingStrategy",
     "is_sharded",
+    "no_sync",
     "shard",
     "unit_states",
 ]

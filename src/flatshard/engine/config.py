@@ -18,6 +18,7 @@ __all__ = [
     "MixedPrecision",
     "ShardingStrategy",
     "normalize_backward_prefetch",
+    "normalize_cpu_offload",
     "normalize_mixed_precision",
     "normalize_sharding_strategy",
 ]
@@ -209,3 +210,17 @@ def normalize_mixed_precision(value: object) -> MixedPrecision | None:
         if f in raw and not isinstance(raw[f], bool):
             raise TypeError(f"mixed_precision.{f} must be a bool, got {type(raw[f]).__name__}: {raw[f]!r}.")
     return MixedPrecision(**raw)
+
+
+def normalize_cpu_offload(value: object) -> bool:
+    """``None`` / ``bool`` / :class:`CPUOffload` (or torch FSDP's, same field) -> whether to offload."""
+    if value is None:
+        return False
+    if isinstance(value, bool):
+        return value
+    offload = getattr(value, "offload_params", None)
+    if isinstance(offload, bool):
+        return offload
+    raise TypeError(
+        f"cpu_offload must be a bool or flatshard.CPUOffload(offload_params=...), got {type(value).__name__}: {value!r}."
+    )

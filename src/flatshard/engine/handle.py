@@ -128,6 +128,14 @@ class FlatParamHandle:
         device: where the shard lives and compute happens.
         sync_group: if given, the flat parameter is broadcast from this group's rank 0 before sharding.
         precision: the unit's dtypes (see [Note: mixed precision]); default: the parameters' own dtype.
+        offload: keep the shard and the gradient shard in CPU memory (see [Note: CPU offload]).
+
+    [Note: CPU offload]
+    With ``offload`` the shard (pinned when compute is on CUDA) and the gradient shard live in CPU memory,
+    and so do the parameters' views, so the optimizer steps on CPU. Each gather first copies the shard
+    to the compute device (cast to the compute dtype in the same copy, on the pre-unshard stream); the
+    reduced gradient shard is copied back before it is accumulated. On a CPU compute device the same
+    path runs with CPU-to-CPU copies, which is what the CPU tests exercise.
     """
 
     def __init__(
@@ -140,6 +148,7 @@ class FlatParamHandle:
         device: torch.device,
         sync_group: Any | None = None,
         precision: UnitPrecision | None = None,
+        offload: bool = False,
     ) -> None:
         if not params:
             raise ValueError("FlatParamHandle needs at least one parameter.")
@@ -150,9 +159,13 @@ class FlatParamHandle:
                 f"A unit's parameters must share one dtype to be flattened, found {listing}. HINT: wrap the "
                 "modules of each dtype in their own unit (auto_wrap_policy) or cast the model first."
             )
-        self.params: list[nn.Parameter] = list(params)
-        self.aliases: list[list[Alias]] = [list(a) for a in aliases]
-        self.names: list[str] = list(names)
+        # Trainable parameters first (stable): their gradients are then a prefix of the flat parameter, and
+        # each rank keeps gradient memory only for its part of that prefix (see [Note: frozen parameters]).
+        order = sorted(range(len(params)), key=lambda i: not params[i].requires_grad)
+        self.params: list[nn.Parameter] = [params[i] for i in order]
+        self.aliases: list[list[Alias]] = [list(aliases[i]) for i in order]
+        self.names: list[str] = [names[i] for i in order]
+        params = self.params
         self.shard_group = shard_group
         self.replicate_group = replicate_group
         self.device = device
@@ -173,6 +186,14 @@ class FlatParamHandle:
         self._trainable: list[int] = [i for i, r in enumerate(self.requires_grad) if r]
         self.any_requires_grad = any(self.requires_grad)
         self.all_require_grad = all(self.requires_grad)
+        lo, hi = (
+            self.layout.shard_range(self.shard_rank)
+            if self.shard_world > 1
+            else (0, self.layout.padded_numel)
+        )
+        trainable_numel = sum(self.layout.numels[i] for i in self._trainable)
+        # Elements of this rank's gradient shard that belong to trainable parameters (a prefix of it).
+        self._grad_numel = hi - lo if self.all_require_grad else max(0, min(trainable_numel, hi) - lo)
         self.state = HandleState.SHARDED
 
         # Sharded over several CPU ranks, the full flat tensor is transient: a mapping of its own returns it
@@ -182,8 +203,16 @@ class FlatParamHandle:
         full = flatten_tensors([p.detach().to(device) for p in params], self.layout, out=out)
         if sync_group is not None:
             dist.broadcast(full, src=dist.get_global_rank(sync_group, 0), group=sync_group)
-        if self.shard_world == 1:
-            self._sharded: torch.Tensor = full  # 1-D, padded_numel == total_numel
+        self.offload = offload
+        self.shard_device = torch.device("cpu") if offload else device
+        if offload:  # see [Note: CPU offload]
+            lo, hi = self.layout.shard_range(self.shard_rank) if self.shard_world > 1 else (0, full.numel())
+            pin = device.type == "cuda" and torch.cuda.is_available()
+            self._sharded: torch.Tensor = torch.empty(hi - lo, dtype=self.dtype, pin_memory=pin)
+            self._sharded.copy_(full[lo:hi])
+            del full
+        elif self.shard_world == 1:
+            self._sharded = full  # 1-D, padded_numel == total_numel
         else:
             lo, hi = self.layout.shard_range(self.shard_rank)
             if device.type == "cpu":
@@ -198,7 +227,7 @@ class FlatParamHandle:
         # but keeps a version counter of its own, so gathering again for backward does not invalidate
         # the views autograd saved in forward. See [Note: freeing gathered storage].
         # With one rank and no dtype change, the shard is the whole flat parameter and is used directly.
-        self._gather_is_shard = self.shard_world == 1 and not self.precision.mixed
+        self._gather_is_shard = self.shard_world == 1 and not self.precision.mixed and not offload
         if self._gather_is_shard:
             self._gather: torch.Tensor = self._sharded
         else:
@@ -212,6 +241,10 @@ class FlatParamHandle:
         self._sharded_grad: torch.Tensor | None = None
         self._sharded_grad_ref: Callable[[], torch.Tensor | None] = lambda: None
         self._pending_unshard: _InFlight | None = None  # a gather issued and not yet waited for
+        # no_sync: gradients stay unsharded and accumulate here, in the gradient dtype, until a backward
+        # outside no_sync reduces them with its own (see [Note: no_sync]).
+        self.sync_grads = True
+        self._unsynced_grad: torch.Tensor | None = None
         self._grad_this_backward = False  # a reduced gradient was accumulated in this backward
         self._used: list[bool] = [False] * len(self.params)  # per param: gradient flowed into its view
         for p in self.params:
@@ -288,13 +321,14 @@ class FlatParamHandle:
             return
         source = self._sharded
         cast_done = None
-        if self.precision.mixed:  # all-gather a low-precision copy of the shard, cast on pre_unshard
+        if self.precision.mixed or self.offload:
+            # all-gather a copy of the shard on the compute device, in the compute dtype, made on pre_unshard
             source = torch.empty(self._sharded.numel(), dtype=self._gather.dtype, device=self.device)
             if cuda:
                 assert streams is not None
                 streams.side_waits_compute(streams.pre_unshard)
                 with streams.on(streams.pre_unshard):
-                    source.copy_(self._sharded)
+                    source.copy_(self._sharded, non_blocking=True)  # pinned host memory with offload
                 cast_done = streams.record(streams.pre_unshard)
             else:
                 source.copy_(self._sharded)
@@ -338,6 +372,26 @@ class FlatParamHandle:
         self._flat.grad = None
         return grad
 
+    def keep_unsynced(self, flat_grad: torch.Tensor) -> None:
+        """Inside ``no_sync``: add an unsharded flat gradient to the ones kept since the last reduction."""
+        if self._unsynced_grad is None:
+            self._unsynced_grad = flat_grad.to(self.precision.grad)  # a buffer of our own: no copy needed
+        else:
+            self._unsynced_grad.add_(flat_grad)
+
+    def with_unsynced(self, flat_grad: torch.Tensor | None) -> torch.Tensor | None:
+        """The gradient to reduce now: ``flat_grad`` plus whatever ``no_sync`` kept (both may be missing)."""
+        kept, self._unsynced_grad = self._unsynced_grad, None
+        if kept is None:
+            return flat_grad
+        if flat_grad is not None:
+            kept.add_(flat_grad)
+        return kept
+
+    @property
+    def has_unsynced(self) -> bool:
+        return self._unsynced_grad is not None
+
     def reduce_grad(self, flat_grad: torch.Tensor, streams: CommContext | None = None) -> _InFlight:
         """Start reducing an unsharded flat gradient to this rank's gradient shard (a SUM; see finish_grad).
 
@@ -376,14 +430,23 @@ class FlatParamHandle:
         if self.shard_world > 1 and self.replicate_world > 1:
             comm.all_reduce_flat(grad, self.replicate_group, async_op=False)
         _, post = reduce_divisors(self.shard_world * self.replicate_world, grad.dtype)
-        if grad.dtype != self.precision.grad:
-            grad = grad.to(self.precision.grad)
+        if grad.dtype != self.precision.grad or grad.device != self.shard_device:
+            grad = grad.to(self.shard_device, self.precision.grad)  # offload: the optimizer steps on CPU
         if post != 1.0:
             grad.div_(post)
         self._accumulate(grad)
 
     def _accumulate(self, grad: torch.Tensor) -> None:
-        """Add a reduced gradient shard into ``_sharded_grad`` (gradients are assigned at end of backward)."""
+        """Add a reduced gradient shard into ``_sharded_grad`` (gradients are assigned at end of backward).
+
+        [Note: frozen parameters]
+        Frozen parameters sit after the trainable ones in the flat parameter, so the trainable part of a
+        rank's gradient shard is a prefix of it. Only that prefix is kept (a LoRA-style unit whose large
+        frozen weights share it with small adapters keeps gradient memory for the adapters only); the rest
+        of the reduced shard is freed at once. Frozen parameters never get a ``.grad``.
+        """
+        if grad.numel() != self._grad_numel:
+            grad = grad[: self._grad_numel].clone()
         if self._grad_this_backward:  # a second reduction in the same backward (unit ran twice)
             assert self._sharded_grad is not None
             self._sharded_grad.add_(grad)

@@ -119,7 +119,7 @@ def plan_full_optim_state_dict(
             items.append(
                 GatherItem(
                     group=handle.shard_group,
-                    device=handle.sharded.device,
+                    device=handle.device,
                     layout=handle.layout,
                     dtype=meta[(idxs[0], key)],
                     wanted=positions,

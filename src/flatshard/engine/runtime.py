@@ -82,6 +82,12 @@ class RootContext:
             self.finish_oldest_reduction()
         for handle in self.handles:
             leftover = handle.take_flat_grad()
+            if not handle.sync_grads:
+                if leftover is not None:
+                    handle.keep_unsynced(leftover)
+                continue
+            if handle.has_unsynced and not handle.grad_this_backward:
+                leftover = handle.with_unsynced(leftover)  # kept by no_sync; unused in this backward
             if leftover is not None:  # gradient arrived without the post-backward hook (defensive)
                 handle.finish_grad(handle.reduce_grad(leftover, self.streams), self.streams)
         reduced = [h for h in self.handles if h.grad_this_backward]
@@ -276,6 +282,13 @@ class UnitState:
         grad = handle.take_flat_grad()
         if grad is None:
             return
+        if not handle.sync_grads:  # see [Note: no_sync]
+            handle.keep_unsynced(grad)
+            if handle.all_require_grad:
+                handle.reshard(ctx.streams, ctx.limiter)
+            return
+        grad = handle.with_unsynced(grad)
+        assert grad is not None
         ctx.pending.append((handle, handle.reduce_grad(grad, ctx.streams)))
         while len(ctx.pending) > _MAX_PENDING_REDUCTIONS:
             ctx.finish_oldest_reduction()

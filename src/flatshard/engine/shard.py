@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from flatshard.engine.config import (
     MixedPrecision,
     ShardingStrategy,
     normalize_backward_prefetch,
+    normalize_cpu_offload,
     normalize_mixed_precision,
     normalize_sharding_strategy,
 )
@@ -36,7 +38,7 @@ from flatshard.engine.process_groups import resolve_groups
 from flatshard.engine.runtime import STATE_ATTR, UnitState, get_unit_state
 from flatshard.engine.wrap import PolicyLike, plan_units, resolve_policy, select_unit_modules
 
-__all__ = ["is_sharded", "shard", "unit_states"]
+__all__ = ["is_sharded", "no_sync", "shard", "unit_states"]
 
 
 def _not_yet(feature: str, arg: str, issue: str) -> NotImplementedError:
@@ -102,7 +104,9 @@ def shard(
             ``"bf16"``): gather and compute in ``param_dtype``, reduce gradients in ``reduce_dtype``, keep
             fp32 shards for the optimizer and checkpoints (see [Note: mixed precision]). Batch-norm
             modules become units of their own in full precision. Default: ``None``.
-        cpu_offload: a later release; the default is accepted.
+        cpu_offload: ``True`` or ``CPUOffload(offload_params=True)``: shards and gradient shards in CPU
+            memory (pinned with CUDA compute), so the optimizer steps on CPU; each unit is copied to the
+            compute device for its gather (see [Note: CPU offload]). Default: ``None`` (no offload).
         param_init_fn: for a module built on the meta device: called with each module that holds meta
             parameters, after their storage is allocated on ``device``; it must initialize them in place.
             Default: ``None`` (the module's own ``reset_parameters()``). Modules are materialized one unit
@@ -123,8 +127,7 @@ def shard(
     if strategy.is_hybrid:
         raise _not_yet("hybrid sharding", f"sharding_strategy={strategy.name}", "the hybrid sharding issue")
     mp = normalize_mixed_precision(mixed_precision)
-    if cpu_offload is not None and (cpu_offload is True or getattr(cpu_offload, "offload_params", False)):
-        raise _not_yet("CPU offload", "cpu_offload=...", "the precision and memory issue")
+    offload = normalize_cpu_offload(cpu_offload)
     prefetch = normalize_backward_prefetch(backward_prefetch)
     for arg, value in (("limit_all_gathers", limit_all_gathers), ("forward_prefetch", forward_prefetch)):
         if not isinstance(value, bool):
@@ -170,6 +173,7 @@ def shard(
         "forward_prefetch": forward_prefetch,
         "limit_all_gathers": limit_all_gathers,
         "mixed_precision": mp,
+        "cpu_offload": offload,
     }
     for m in full_precision:
         keep_full_precision(m, next((p.dtype for p in m.parameters()), torch.float32))
@@ -189,6 +193,7 @@ def shard(
                 replicate_group,
                 target,
                 sync_group=sync_group,
+                offload=offload,
                 precision=UnitPrecision.resolve(
                     None if plan.module in full_precision_set else mp, plan.params[0].dtype
                 ),
@@ -267,3 +272,36 @@ def is_sharded(module: nn.Module) -> bool:
 def unit_states(module: nn.Module) -> list[UnitState]:
     """Every unit at or below ``module``, in ``.modules()`` order."""
     return [s for m in module.modules() for s in [get_unit_state(m)] if s is not None]
+
+
+@contextmanager
+def no_sync(module: nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Backward passes inside keep their gradients unsharded and unreduced (gradient accumulation).
+
+    [Note: no_sync]
+    Each unit adds its flat gradient to an unsharded buffer of its own (in the gradient dtype) instead of
+    reduce-scattering it; the first backward outside the context reduces the sum with its own gradient.
+    Communication drops to one reduction per optimizer step; memory grows by one unsharded gradient per
+    unit (the whole model's, as with DDP), kept between micro-batches. Without ``no_sync``, every
+    micro-batch is reduce-scattered and the gradient shards accumulate: 1/world of that memory. Parameters'
+    ``.grad`` is not updated inside the context. Call it on every rank, around the same backward passes.
+
+    Args:
+        module: a module sharded with :func:`shard` (every unit at or below it stops syncing).
+        enabled: ``False`` makes the context a no-op (handy in accumulation loops).
+    """
+    states = unit_states(module)
+    if not states:
+        raise ValueError(
+            f"no_sync needs a module sharded with flatshard.shard, and {type(module).__name__} is not one."
+        )
+    handles = [s.handle for s in states if s.handle is not None]
+    previous = [h.sync_grads for h in handles]
+    if enabled:
+        for h in handles:
+            h.sync_grads = False
+    try:
+        yield
+    finally:
+        for h, value in zip(handles, previous, strict=True):
+            h.sync_grads = value

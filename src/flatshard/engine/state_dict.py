@@ -60,11 +60,12 @@ def prepare_for_state_io(module: nn.Module, what: str) -> list[UnitState]:
 
 
 def gather_full_flat(handle: FlatParamHandle) -> torch.Tensor:
-    """The unit's whole flat parameter (padded), gathered into a new buffer (the shard itself on 1 rank)."""
+    """The unit's whole flat parameter (padded), gathered into a new buffer (the shard itself on 1 rank),
+    on the compute device."""
     if handle.shard_world == 1:
         return handle.sharded
-    full = torch.empty(handle.layout.padded_numel, dtype=handle.dtype, device=handle.sharded.device)
-    comm.all_gather_flat(full, handle.sharded, handle.shard_group, async_op=False)
+    full = torch.empty(handle.layout.padded_numel, dtype=handle.dtype, device=handle.device)
+    comm.all_gather_flat(full, handle.sharded.to(handle.device), handle.shard_group, async_op=False)
     return full
 
 
@@ -99,7 +100,7 @@ def plan_full_model_state_dict(
     items = [
         GatherItem(
             group=h.shard_group,
-            device=h.sharded.device,
+            device=h.device,  # collectives run on the compute device; offloaded shards are staged there
             layout=h.layout,
             dtype=h.dtype,
             wanted=list(range(len(h.params))),

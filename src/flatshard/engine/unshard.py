@@ -51,11 +51,23 @@ def _grad_shard(handle: FlatParamHandle) -> torch.Tensor | None:
     return handle._sharded_grad_ref() if any(p.grad is not None for p in handle.params) else None
 
 
+def _padded(handle: FlatParamHandle, shard: torch.Tensor) -> torch.Tensor:
+    """A gradient shard at full shard length: frozen parameters' part is not stored (see [Note: frozen
+    parameters]), so it is zero-filled here."""
+    n = handle.sharded.numel()
+    if shard.numel() == n:
+        return shard
+    out = torch.zeros(n, dtype=shard.dtype, device=shard.device)
+    out[: shard.numel()].copy_(shard)
+    return out
+
+
 def _gather(handle: FlatParamHandle, shard: torch.Tensor) -> torch.Tensor:
+    shard = _padded(handle, shard)
     if handle.shard_world == 1:
         return shard.clone()  # never expose the live shard: writeback=False must discard changes
-    full = torch.empty(handle.layout.padded_numel, dtype=shard.dtype, device=shard.device)
-    comm.all_gather_flat(full, shard, handle.shard_group, async_op=False)
+    full = torch.empty(handle.layout.padded_numel, dtype=shard.dtype, device=handle.device)
+    comm.all_gather_flat(full, shard.to(handle.device), handle.shard_group, async_op=False)
     return full
 
 
@@ -99,9 +111,10 @@ def _sync_replicas(handle: FlatParamHandle, shard: torch.Tensor) -> None:
 
 
 def _write_slice(handle: FlatParamHandle, full: torch.Tensor, shard: torch.Tensor) -> None:
-    lo, hi = handle.layout.shard_range(handle.shard_rank) if handle.shard_world > 1 else (0, shard.numel())
+    """Copy this rank's slice of ``full`` into ``shard`` (a gradient shard may hold only its prefix)."""
+    lo = handle.layout.shard_range(handle.shard_rank)[0] if handle.shard_world > 1 else 0
     with torch.no_grad():
-        shard.copy_(full[lo:hi])
+        shard.copy_(full[lo : lo + shard.numel()])
 
 
 def _exit(u: _Unsharded, writeback: bool, rank0_only: bool) -> None:

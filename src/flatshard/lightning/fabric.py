@@ -20,6 +20,7 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -34,7 +35,7 @@ from flatshard.engine.optim_state import (
     full_optim_state_dict,
     load_full_optim_state_dict,
 )
-from flatshard.engine.shard import is_sharded
+from flatshard.engine.shard import is_sharded, no_sync
 from flatshard.engine.state_dict import (
     check_full_model_state_dict,
     full_model_state_dict,
@@ -50,6 +51,20 @@ if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 
 __all__ = ["FlatShardFabricStrategy"]
+
+
+class _NoSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: backward passes keep unsharded gradients (see [Note: no_sync])."""
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager[Any]:
+        inner = getattr(module, "_forward_module", module)  # Fabric's wrapper, or the module itself
+        if not is_sharded(inner):
+            raise TypeError(
+                f"no_backward_sync needs the module returned by fabric.setup / setup_module, got "
+                f"{type(module).__name__}."
+            )
+        return no_sync(inner, enabled=enabled)
 
 
 class FlatShardFabricStrategy(ParallelStrategy):
@@ -115,6 +130,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._sharded_modules: list[Module] = []
+        self._backward_sync_control = _NoSyncControl()
 
     @property
     @override

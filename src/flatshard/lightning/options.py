@@ -14,10 +14,10 @@ import torch
 from flatshard.engine.checkpointing import CheckFn, resolve_checkpointing_policy
 from flatshard.engine.config import (
     BackwardPrefetch,
-    CPUOffload,
     MixedPrecision,
     ShardingStrategy,
     normalize_backward_prefetch,
+    normalize_cpu_offload,
     normalize_mixed_precision,
     normalize_sharding_strategy,
 )
@@ -27,6 +27,7 @@ __all__ = ["StrategyOptions"]
 
 _STATE_DICT_TYPES = ("full", "sharded")
 _START_METHODS = ("popen", "spawn")
+_GRAD_ACCUMULATION = ("sharded", "no_sync")
 
 
 def _later(arg: str, value: Any, feature: str, issue: str) -> NotImplementedError:
@@ -42,6 +43,7 @@ class StrategyOptions:
     auto_wrap_policy: Policy | None
     activation_checkpointing_policy: CheckFn | None
     mixed_precision: MixedPrecision | None
+    cpu_offload: bool
     backward_prefetch: BackwardPrefetch | None
     forward_prefetch: bool
     limit_all_gathers: bool
@@ -49,6 +51,7 @@ class StrategyOptions:
     sync_module_states: bool
     param_init_fn: Any
     start_method: str
+    grad_accumulation: str = "sharded"
 
     @classmethod
     def create(
@@ -69,6 +72,7 @@ class StrategyOptions:
         process_group: Any,
         device_mesh: Any,
         start_method: Any,
+        grad_accumulation: Any = "sharded",
     ) -> StrategyOptions:
         strategy = normalize_sharding_strategy(sharding_strategy)
         if strategy.is_hybrid:
@@ -81,10 +85,6 @@ class StrategyOptions:
             if value is not None:
                 raise _later(arg, value, "hybrid sharding groups", "the hybrid sharding issue")
         checkpoint_check = resolve_checkpointing_policy(activation_checkpointing_policy)
-        if cpu_offload is not None and not isinstance(cpu_offload, (bool, CPUOffload)):
-            raise TypeError(f"cpu_offload must be a bool or CPUOffload, got {type(cpu_offload).__name__}.")
-        if cpu_offload is True or getattr(cpu_offload, "offload_params", False):
-            raise _later("cpu_offload", cpu_offload, "CPU offload", "the precision and memory issue")
         for arg, value in (
             ("limit_all_gathers", limit_all_gathers),
             ("forward_prefetch", forward_prefetch),
@@ -96,6 +96,11 @@ class StrategyOptions:
             raise TypeError(
                 f"param_init_fn must be a callable taking a module, got {type(param_init_fn).__name__}."
             )
+        if grad_accumulation not in _GRAD_ACCUMULATION:
+            raise ValueError(
+                f"grad_accumulation={grad_accumulation!r} is not one of {_GRAD_ACCUMULATION}. HINT: 'sharded' "
+                "reduce-scatters every micro-batch (least memory), 'no_sync' reduces once per optimizer step."
+            )
         if state_dict_type not in _STATE_DICT_TYPES:
             raise ValueError(f"state_dict_type={state_dict_type!r} is not one of {_STATE_DICT_TYPES}.")
         if start_method not in _START_METHODS:
@@ -105,6 +110,7 @@ class StrategyOptions:
             auto_wrap_policy=resolve_policy(auto_wrap_policy),
             activation_checkpointing_policy=checkpoint_check,
             mixed_precision=normalize_mixed_precision(mixed_precision),
+            cpu_offload=normalize_cpu_offload(cpu_offload),
             backward_prefetch=normalize_backward_prefetch(backward_prefetch),
             forward_prefetch=forward_prefetch,
             limit_all_gathers=limit_all_gathers,
@@ -112,6 +118,7 @@ class StrategyOptions:
             sync_module_states=sync_module_states,
             param_init_fn=param_init_fn,
             start_method=start_method,
+            grad_accumulation=grad_accumulation,
         )
 
     def shard_kwargs(self, device: torch.device, precision: MixedPrecision | None = None) -> dict[str, Any]:
@@ -127,5 +134,6 @@ class StrategyOptions:
             "limit_all_gathers": self.limit_all_gathers,
             "sync_module_states": self.sync_module_states,
             "param_init_fn": self.param_init_fn,
+            "cpu_offload": self.cpu_offload,
             "device": device,
         }

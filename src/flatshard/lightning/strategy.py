@@ -30,7 +30,7 @@ from flatshard.checkpoint.sharded import write_sharded_checkpoint
 from flatshard.engine import shard
 from flatshard.engine.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from flatshard.engine.optim_state import full_optim_state_dict
-from flatshard.engine.shard import is_sharded
+from flatshard.engine.shard import is_sharded, no_sync
 from flatshard.engine.sharded_state import sharded_model_state_dict, sharded_optim_state_dict
 from flatshard.engine.state_dict import (
     full_model_state_dict,
@@ -80,7 +80,8 @@ class FlatShardStrategy(ParallelStrategy):
             keeping them: module classes (or import paths), an int (modules with at least that many
             parameters), or a callable (``module -> bool`` or the ``auto_wrap_policy`` contract). Applied
             inside units, non-reentrant; parameter names and checkpoints are unchanged. Default: ``None``.
-        cpu_offload: later release; must be falsy.
+        cpu_offload: ``True`` / ``CPUOffload(offload_params=True)``: shards, gradient shards and optimizer
+            state in CPU memory (pinned with CUDA); the optimizer steps on CPU. Default: ``None``.
         mixed_precision: a ``flatshard.MixedPrecision`` (or a mapping of its fields): the dtypes units gather,
             compute and reduce in. Default: what ``Trainer(precision=...)`` implies (``"bf16-mixed"``: bf16
             compute, fp32 reduction and shards); given explicitly, it replaces those dtypes.
@@ -94,6 +95,10 @@ class FlatShardStrategy(ParallelStrategy):
             any number of devices and ``flatshard consolidate DIR OUT.ckpt`` turns it into a full file.
             Loading accepts either kind whatever this is set to. Default: ``"full"``.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding. Default: ``False``.
+        grad_accumulation: how ``accumulate_grad_batches`` accumulates. ``"sharded"`` (default): every
+            micro-batch's gradient is reduce-scattered and the gradient shards add up (least memory).
+            ``"no_sync"``: micro-batches keep unsharded gradients and only the last one reduces (one
+            reduction per step, one unsharded gradient of the whole model kept, as with DDP).
         param_init_fn: initializes modules built on the meta device (``trainer.init_module(empty_init=True)``,
             or ``torch.device("meta")`` in ``configure_model``): called with each module holding meta
             parameters once their storage exists; it must fill them in place. Default: ``None`` (each
@@ -136,6 +141,7 @@ class FlatShardStrategy(ParallelStrategy):
         state_dict_type: Literal["full", "sharded"] = "full",
         sync_module_states: bool = False,
         param_init_fn: Callable[[Module], None] | None = None,
+        grad_accumulation: Literal["sharded", "no_sync"] = "sharded",
         shard_group_size: int | None = None,
         process_group: Any | None = None,
         device_mesh: Any | None = None,
@@ -164,6 +170,7 @@ class FlatShardStrategy(ParallelStrategy):
             process_group=process_group,
             device_mesh=device_mesh,
             start_method=start_method,
+            grad_accumulation=grad_accumulation,
         )
         self.num_nodes = 1
         self._process_group_backend = process_group_backend
@@ -261,6 +268,16 @@ class FlatShardStrategy(ParallelStrategy):
             shard(model, **self.options.shard_kwargs(self.root_device, config))
         _move_metrics(model, self.root_device)
         return model
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning enters this around accumulating micro-batches; see ``grad_accumulation``."""
+        if self.options.grad_accumulation == "no_sync" and self.model is not None and is_sharded(self.model):
+            with no_sync(self.model):
+                yield
+        else:
+            yield
 
     @override
     def model_to_device(self) -> None:
