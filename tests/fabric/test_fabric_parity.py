@@ -153,3 +153,58 @@ def test_fabric_mixed_precision() -> None:
         assert r["loss"] <= 1e-6 and r["weights"] <= 1e-6, r
         assert r["dtypes"] == ["torch.float32"]
     assert spawn(_run_fp16_scaler, 2) == ["FlatShardGradScaler"] * 2
+
+
+class _WithMetric(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = TinyGPT()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.net(idx)
+
+
+def _run_bf16_true(rank: int, world: int) -> dict[str, str]:
+    fabric = Fabric(accelerator="cpu", devices=world, strategy="flatshard", precision="bf16-true")
+    fabric.launch()
+    torch.manual_seed(0)
+    from torchmetrics import MeanMetric
+
+    with fabric.init_module(empty_init=True):
+        module = _WithMetric()
+        module.mean = MeanMetric()  # built on meta: refused with a clear error
+    try:
+        fabric.setup_module(module)
+        refused = "no"
+    except ValueError as err:
+        refused = "yes" if "created on the meta device" in str(err) else str(err)
+    with fabric.init_module(empty_init=True):
+        module = _WithMetric()
+    module.mean = MeanMetric()  # metrics are created outside the empty-init context
+    model = fabric.setup_module(module)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    idx, tgt = make_batch(0, 2 * world)
+    logits = model(idx[2 * rank : 2 * rank + 2])
+    loss = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), tgt[2 * rank : 2 * rank + 2].flatten()
+    )
+    fabric.backward(loss)
+    optimizer.step()
+    module.mean.update(loss.detach())
+    return {
+        "params": str(next(module.net.parameters()).dtype),
+        "metric": str(module.mean.mean_value.dtype),
+        "meta_left": str(any(p.is_meta for p in module.parameters())),
+        "refused": refused,
+    }
+
+
+@pytest.mark.timeout(300)
+def test_fabric_bf16_true_with_empty_init_keeps_metrics_fp32() -> None:
+    for r in spawn(_run_bf16_true, 2):
+        assert r == {
+            "params": "torch.bfloat16",
+            "metric": "torch.float32",
+            "meta_left": "False",
+            "refused": "yes",
+        }, r

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
+from torchmetrics import MeanMetric
 
 import flatshard
 from flatshard.lightning.precision import FlatShardGradScaler, FlatShardPrecision
@@ -32,10 +33,13 @@ class DtypeGPT(LitGPT):
     def __init__(self) -> None:
         super().__init__(optimizer="sgd", lr=0.1)
         self.seen: set[tuple[str, str]] = set()
+        self.loss_mean = MeanMetric()  # a metric inside the sharded module: never cast, never sharded
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self.seen.add(("wte", str(self.model.wte.weight.dtype)))
-        return super().training_step(batch, batch_idx)
+        loss = super().training_step(batch, batch_idx)
+        self.loss_mean.update(loss.detach().float())
+        return loss
 
 
 def _fp16_mixed() -> MixedPrecision:
@@ -72,6 +76,8 @@ def _train_all(rank: int, world: int, out_dir: str) -> dict[str, Any]:
             "seen": sorted(model.seen),
             "plugin": type(trainer.strategy.precision_plugin).__name__,
             "scaler": type(getattr(trainer.strategy.precision_plugin, "scaler", None)).__name__,
+            "metric_dtype": str(model.loss_mean.mean_value.dtype),
+            "metric_mean": float(model.loss_mean.compute()),
         }
     return results
 
@@ -127,6 +133,16 @@ def test_16_mixed_scaler_matches_ddp(runs: dict[str, Any]) -> None:
     assert ours["scaler"] == "FlatShardGradScaler"
     ckpt = runs["ckpt"]["flatshard_16_mixed"]
     assert ckpt["FlatShardPrecision"]["scale"] == runs["ckpt"]["ddp_16_mixed"]["MixedPrecision"]["scale"]
+
+
+def test_metrics_are_never_cast(runs: dict[str, Any]) -> None:
+    """torchmetrics state keeps fp32 under every flag (DDP's bf16-true casts it), and its value agrees."""
+    for name in CASES:
+        if name.startswith("flatshard"):
+            assert runs["ranks"][0][name]["metric_dtype"] == "torch.float32", name
+    for flag in ("bf16_mixed", "bf16_true", "16_mixed"):
+        ours, theirs = runs["ranks"][0][f"flatshard_{flag}"], runs["ranks"][0][f"ddp_{flag}"]
+        assert abs(ours["metric_mean"] - theirs["metric_mean"]) <= 3e-2 * abs(theirs["metric_mean"]), flag
 
 
 def test_precision_plugin_errors() -> None:

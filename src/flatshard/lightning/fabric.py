@@ -43,7 +43,7 @@ from flatshard.engine.state_dict import (
 )
 from flatshard.lightning.distributed import barrier, broadcast_object, init_process_group, reduce_tensor
 from flatshard.lightning.options import StrategyOptions
-from flatshard.lightning.precision import mixed_precision_for, sharded_scaler
+from flatshard.lightning.precision import FlatShardFabricHalfPrecision, mixed_precision_for, sharded_scaler
 from flatshard.lightning.strategy import _move_metrics
 
 if TYPE_CHECKING:
@@ -166,7 +166,11 @@ class FlatShardFabricStrategy(ParallelStrategy):
         if isinstance(precision, FabricMixedPrecision) and type(precision) is FabricMixedPrecision:
             # the inf/NaN check of loss scaling must agree across shards: see [Note: precision flags]
             precision.scaler = sharded_scaler(precision.scaler, precision.device)
-        elif precision is not None and type(precision) not in (Precision, FabricHalfPrecision):
+        elif type(precision) is FabricHalfPrecision:
+            precision = FlatShardFabricHalfPrecision(
+                precision.precision
+            )  # keeps torchmetrics states as they are
+        elif precision is not None and type(precision) not in (Precision, FlatShardFabricHalfPrecision):
             raise ValueError(
                 f"precision={getattr(precision, 'precision', precision)!r} ({type(precision).__name__}) is not "
                 "supported with flatshard. HINT: use '32-true', 'bf16-mixed', '16-mixed', 'bf16-true' or '16-true'."
@@ -190,10 +194,10 @@ class FlatShardFabricStrategy(ParallelStrategy):
 
     @override
     def setup_module(self, module: Module) -> Module:
+        _move_metrics(module, self.root_device)  # first: a metric built on meta is refused before sharding
         if not is_sharded(module):
             flag = str(getattr(self.precision, "precision", "32-true"))
             shard(module, **self.options.shard_kwargs(self.root_device, mixed_precision_for(flag)))
-        _move_metrics(module, self.root_device)
         self._sharded_modules.append(module)
         return module
 

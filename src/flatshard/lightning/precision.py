@@ -22,6 +22,7 @@ from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.amp import MixedPrecision as LightningMixedPrecision
@@ -34,6 +35,7 @@ from flatshard.engine.clip import clip_grad_norm_params_
 from flatshard.engine.config import MixedPrecision
 
 __all__ = [
+    "FlatShardFabricHalfPrecision",
     "FlatShardGradScaler",
     "FlatShardPrecision",
     "mixed_precision_for",
@@ -131,7 +133,7 @@ class FlatShardPrecision(Precision):
 
     @override
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        return module.to(dtype=self._low) if self._true_low else module
+        return cast_module(module, self._low) if self._true_low else module
 
     def _default_dtype(self) -> AbstractContextManager[Any]:
         return _default_dtype(self._low) if self._true_low else nullcontext()
@@ -209,6 +211,18 @@ def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
         torch.set_default_dtype(previous)
 
 
+def cast_module(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``module.to(dtype)`` for every floating-point parameter and buffer, except inside torchmetrics
+    ``Metric`` modules: metric states keep their dtype (``*-true`` flags)."""
+    from torchmetrics import Metric
+
+    skipped = {sub for m in module.modules() if isinstance(m, Metric) for sub in m.modules()}
+    for m in module.modules():
+        if m not in skipped:
+            m._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
+    return module
+
+
 def sharded_scaler(given: torch.amp.GradScaler | None, device: str) -> FlatShardGradScaler | None:
     """A :class:`FlatShardGradScaler` with ``given``'s settings (``None`` stays ``None``)."""
     if given is None or isinstance(given, FlatShardGradScaler):
@@ -246,3 +260,11 @@ def to_flatshard_precision(plugin: Any) -> FlatShardPrecision | None:
         f"precision={name!r} ({type(plugin).__name__}) is not supported with flatshard. HINT: use one of "
         f"{', '.join(_FLAGS)}, or flatshard.lightning.FlatShardPrecision."
     )
+
+
+class FlatShardFabricHalfPrecision(FabricHalfPrecision):
+    """Fabric's ``"bf16-true"`` / ``"16-true"`` for flatshard: torchmetrics states are not cast."""
+
+    @override
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return cast_module(module, self._desired_input_dtype)

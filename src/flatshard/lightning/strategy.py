@@ -63,6 +63,13 @@ def _move_metrics(model: Module, device: torch.device) -> None:
 
     for m in model.modules():
         if isinstance(m, Metric):
+            states = [v for v in vars(m).get("_defaults", {}).values() if isinstance(v, torch.Tensor)]
+            if any(t.is_meta for t in states):
+                raise ValueError(
+                    f"The torchmetrics {type(m).__name__} was created on the meta device (inside "
+                    "init_module(empty_init=True) or torch.device('meta')), so its states have no values. HINT: "
+                    "create metrics outside that context, e.g. assign them after it or in setup()."
+                )
             m.to(device)
 
 
@@ -261,12 +268,12 @@ class FlatShardStrategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     def _setup_model(self, model: Module) -> Module:
+        _move_metrics(model, self.root_device)  # first: a metric built on meta is refused before sharding
         if is_sharded(model):
             log.debug("flatshard: model is already sharded; reusing its units.")
         else:
             config = self.precision_plugin.mixed_precision_config
             shard(model, **self.options.shard_kwargs(self.root_device, config))
-        _move_metrics(model, self.root_device)
         return model
 
     @contextmanager

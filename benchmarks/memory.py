@@ -1,0 +1,363 @@
+"""Peak memory per rank against model size at world sizes 1, 2 and 4, next to the theoretical footprint.
+
+For each GPT size in ``--sizes`` and each world size in ``--world-sizes``, fresh gloo ranks (one intra-op
+thread each) build the GPT (``examples/gpt/model.py``, vocab ``--vocab-size``), shard it with flatshard
+FULL_SHARD (one unit per ``Block``), create ``AdamW(lr=1e-4)`` and train ``--steps`` steps on random tokens
+(``--batch-size`` sequences of ``--seq-len`` per rank). Per rank it records
+
+* **measured** = peak RSS during training (``VmHWM``, reset with ``clear_refs`` after setup) minus the RSS
+  right before the model is built (after imports, process-group init and a barrier);
+* **theory** = (parameters + gradients + 2 AdamW states, fp32) / N (this rank's padded shard)
+  + the largest unit unsharded (its parameters + its gradient; 0 at N = 1, where the shard *is* the
+  unsharded unit) + the activations autograd saves for backward (counted with
+  ``flatshard.testing.activations.saved_activation_bytes`` on the world-1 run's forward + loss);
+
+and a breakdown (RSS after setup, per-phase peaks) to explain the difference.
+
+    python benchmarks/memory.py
+
+Writes ``docs/bench/memory_cpu.json`` and ``docs/bench/memory_cpu.png`` (see ``benchmarks/README.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+if str(BENCH_DIR) not in sys.path:
+    sys.path.insert(0, str(BENCH_DIR))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from step_time import (  # noqa: E402  (also puts examples/gpt on sys.path)
+    MIB,
+    REPO,
+    _build_model,
+    _make_batches,
+    _proc_status_kib,
+    _reset_peak_rss,
+    machine_info,
+)
+
+FP32 = 4
+TOLERANCE = 0.15
+PHASES = ("forward", "backward", "optimizer")
+
+
+def _rss_kib() -> int:
+    return _proc_status_kib("VmRSS")["VmRSS"] or 0
+
+
+def _phase_peak_kib() -> int:
+    """VmHWM since the last reset, then reset it again (to the current RSS)."""
+    peak = _proc_status_kib("VmHWM")["VmHWM"] or 0
+    _reset_peak_rss()
+    return peak
+
+
+def run(rank: int, world: int, cfg: dict[str, Any], count_activations: bool) -> dict[str, Any]:
+    """Train one size on one rank; return RSS figures (KiB) and the model's unit sizes."""
+    torch.set_num_threads(cfg["threads"])
+    from model import Block  # examples/gpt/model.py
+
+    import flatshard
+    from flatshard.engine.shard import unit_states
+    from flatshard.testing.activations import saved_activation_bytes
+
+    batches = _make_batches(dict(cfg, warmup=0), rank, world, torch.device("cpu"))
+    gc.collect()
+    dist.barrier()
+    info: dict[str, Any] = {"rss_base_kib": _rss_kib()}  # everything measured is relative to this
+
+    model = _build_model(cfg)
+    info["num_params"] = sum(p.numel() for p in model.parameters())  # tied embedding/head once
+    info["rss_after_build_kib"] = _rss_kib()
+    flatshard.shard(model, sharding_strategy="FULL_SHARD", auto_wrap_policy={Block})
+    layouts = [s.handle.layout for s in unit_states(model) if s.handle is not None]
+    info["unit_numels"] = [lay.total_numel for lay in layouts]  # unsharded, the root unit first
+    info["unit_padded_numels"] = [lay.padded_numel for lay in layouts]
+    info["local_numel"] = sum(lay.shard_numel for lay in layouts)  # this rank's shard, padding included
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gc.collect()
+    dist.barrier()
+    info["rss_after_setup_kib"] = _rss_kib()
+    info["hwm_reset"] = _reset_peak_rss()
+
+    vocab = cfg["vocab_size"]
+    phase_peaks: list[dict[str, int]] = []
+    losses = []
+    for idx, tgt in batches:
+        dist.barrier()
+        _phase_peak_kib()
+        loss = F.cross_entropy(model(idx).view(-1, vocab), tgt.view(-1))
+        peaks = {"forward": _phase_peak_kib()}
+        loss.backward()
+        peaks["backward"] = _phase_peak_kib()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        peaks["optimizer"] = _phase_peak_kib()
+        phase_peaks.append(peaks)
+        losses.append(loss.item())
+    info["phase_peaks_kib"] = phase_peaks
+    info["peak_kib"] = max(max(p.values()) for p in phase_peaks)
+    info["rss_after_train_kib"] = _rss_kib()
+    info["losses"] = losses
+    if count_activations:  # after the measured steps, so it cannot change them
+        idx, tgt = batches[0]
+        info["activation_bytes"], _ = saved_activation_bytes(
+            model, lambda: F.cross_entropy(model(idx).view(-1, vocab), tgt.view(-1))
+        )
+        info["activation_bytes_model_only"], _ = saved_activation_bytes(model, lambda: model(idx))
+    return info
+
+
+def theory(r0: dict[str, Any], world: int, activation_bytes: int) -> dict[str, float]:
+    """Theoretical per-rank footprint in bytes, by component."""
+    local = r0["local_numel"]
+    largest = max(r0["unit_padded_numels"])
+    parts = {
+        "params_shard": FP32 * local,
+        "grads_shard": FP32 * local,
+        "adamw_states": 2 * FP32 * local,
+        # At N = 1 the gathered parameter is the shard itself and the unsharded gradient is the gradient
+        # shard: nothing extra. The brief's formula without that exception is kept as "formula_literal".
+        "largest_unit_unsharded": 2 * FP32 * largest if world > 1 else 0,
+        "activations": activation_bytes,
+    }
+    parts["total"] = sum(parts.values())
+    parts["formula_literal_total"] = parts["total"] - parts["largest_unit_unsharded"] + 2 * FP32 * largest
+    return parts
+
+
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        d, _, layers = item.strip().lower().partition("x")
+        out.append((int(d), int(layers)))
+    return out
+
+
+def plot(rows: list[dict[str, Any]], worlds: list[int], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for i, w in enumerate(worlds):
+        pts = sorted((r["num_params"], r["measured_mib_max_rank"], r["theory_mib"]) for r in rows if r["world"] == w)
+        if not pts:
+            continue
+        x = [p[0] / 1e6 for p in pts]
+        color = f"C{i}"
+        ax.plot(x, [p[1] for p in pts], "o-", color=color, label=f"N={w} measured (max over ranks)")
+        ax.plot(x, [p[2] for p in pts], "x--", color=color, label=f"N={w} theory")
+    ax.set_xlabel("parameters (millions)")
+    ax.set_ylabel("MiB per rank (peak RSS during training - RSS before model build)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = [
+        "d_model x layers",
+        "params",
+        "N",
+        "measured MiB/rank",
+        "theory MiB",
+        "measured/theory",
+        "within 15%",
+        "excess MiB",
+        "setup: measured / params shard MiB",
+        "peak phase",
+        "activations MiB",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['size']} | - | {r['world']} | FAILED: {r['error'].splitlines()[-1][:90]} |")
+            continue
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["size"],
+                    f"{r['num_params'] / 1e6:.2f}M",
+                    str(r["world"]),
+                    " / ".join(f"{x:.0f}" for x in r["measured_mib_per_rank"]),
+                    f"{r['theory_mib']:.0f}",
+                    f"{r['ratio_max_rank']:.2f}",
+                    "yes" if r["within_tolerance"] else "no",
+                    f"{r['measured_mib_max_rank'] - r['theory_mib']:+.0f}",
+                    f"{r['setup_mib_max_rank']:.0f} / {r['theory_parts_mib']['params_shard']:.0f}",
+                    r["peak_phase"],
+                    f"{r['theory_parts_mib']['activations']:.0f}",
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="256x4,384x6,512x8", help="comma list of d_modelxn_layer (heads = d/64)")
+    p.add_argument("--world-sizes", default="1,2,4", help="comma list; 1 must be included (activations)")
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=2, help="sequences per rank")
+    p.add_argument("--steps", type=int, default=3, help="training steps (peak over all of them)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
+    p.add_argument("--out", type=Path, default=None, help="default docs/bench/memory_cpu.json (PNG next to it)")
+    args = p.parse_args(argv)
+    sizes = parse_sizes(args.sizes)
+    worlds = sorted({int(w) for w in args.world_sizes.split(",")})
+    if worlds[0] != 1:
+        raise SystemExit("--world-sizes must include 1: its run measures the activations")
+    if max(worlds) > 4:
+        raise SystemExit("at most 4 ranks")
+    from flatshard.testing import spawn
+
+    base_cfg = {
+        "vocab_size": args.vocab_size,
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "steps": args.steps,
+        "threads": args.threads,
+        "seed": args.seed,
+        "device": "cpu",
+        "optimizer": "AdamW(lr=1e-4), other defaults",
+        "sharding": "flatshard FULL_SHARD, auto_wrap_policy={Block}, fp32",
+    }
+    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    machine = machine_info(base_cfg)
+    rows: list[dict[str, Any]] = []
+    raw: dict[str, Any] = {}
+    for d_model, n_layer in sizes:
+        size = f"{d_model}x{n_layer}"
+        cfg = dict(base_cfg, d_model=d_model, n_layer=n_layer, n_head=max(1, d_model // 64))
+        activation_bytes = None
+        for world in worlds:
+            key = f"{size}/N{world}"
+            t0 = time.perf_counter()
+            try:
+                per_rank = spawn(run, world, cfg, world == 1, timeout=args.timeout)
+            except Exception as err:
+                rows.append({"size": size, "world": world, "error": f"{type(err).__name__}: {err}"})
+                print(f"{key}: FAILED\n{err}", flush=True)
+                continue
+            raw[key] = per_rank
+            r0 = per_rank[0]
+            if world == 1:
+                activation_bytes = r0["activation_bytes"]
+            if activation_bytes is None:
+                rows.append({"size": size, "world": world, "error": "no world-1 run: activations unknown"})
+                continue
+            parts = theory(r0, world, activation_bytes)
+            measured = [(r["peak_kib"] - r["rss_base_kib"]) / 1024 for r in per_rank]
+            setup = [(r["rss_after_setup_kib"] - r["rss_base_kib"]) / 1024 for r in per_rank]
+            worst = max(range(world), key=lambda i: measured[i])
+            phases = per_rank[worst]["phase_peaks_kib"]
+            step, phase = max(
+                ((s, ph) for s in range(len(phases)) for ph in PHASES), key=lambda sp: phases[sp[0]][sp[1]]
+            )
+            theory_mib = parts["total"] / MIB
+            row = {
+                "size": size,
+                "d_model": d_model,
+                "n_layer": n_layer,
+                "world": world,
+                "num_params": r0["num_params"],
+                "unit_numels": r0["unit_numels"],
+                "local_numel_per_rank": [r["local_numel"] for r in per_rank],
+                "measured_mib_per_rank": [round(x, 1) for x in measured],
+                "measured_mib_max_rank": max(measured),
+                "theory_mib": theory_mib,
+                "theory_parts_mib": {k: v / MIB for k, v in parts.items()},
+                "ratio_max_rank": max(measured) / theory_mib,
+                "ratio_per_rank": [x / theory_mib for x in measured],
+                "within_tolerance": abs(max(measured) / theory_mib - 1) <= TOLERANCE,
+                "rss_base_mib_per_rank": [r["rss_base_kib"] / 1024 for r in per_rank],
+                "build_mib_per_rank": [(r["rss_after_build_kib"] - r["rss_base_kib"]) / 1024 for r in per_rank],
+                "setup_mib_per_rank": [round(x, 1) for x in setup],
+                "setup_mib_max_rank": max(setup),
+                "train_increase_mib_per_rank": [
+                    (r["peak_kib"] - r["rss_after_setup_kib"]) / 1024 for r in per_rank
+                ],
+                "rss_after_train_minus_base_mib_per_rank": [
+                    (r["rss_after_train_kib"] - r["rss_base_kib"]) / 1024 for r in per_rank
+                ],
+                "peak_phase": f"step {step + 1} {phase}",
+                "phase_peaks_minus_base_mib_max_rank": [
+                    {ph: (pk[ph] - per_rank[worst]["rss_base_kib"]) / 1024 for ph in PHASES} for pk in phases
+                ],
+                "hwm_reset": all(r["hwm_reset"] for r in per_rank),
+                "losses_rank0": r0["losses"],
+                "seconds": time.perf_counter() - t0,
+            }
+            if world == 1:
+                row["activation_bytes_model_forward_only"] = r0["activation_bytes_model_only"]
+            rows.append(row)
+            print(
+                f"{key}: {row['num_params'] / 1e6:.2f}M params, measured {row['measured_mib_per_rank']} MiB, "
+                f"theory {theory_mib:.1f} MiB (x{row['ratio_max_rank']:.2f}), setup {row['setup_mib_per_rank']} "
+                f"MiB, peak at {row['peak_phase']}, {row['seconds']:.0f}s",
+                flush=True,
+            )
+    table = format_table(rows)
+    print()
+    print(table)
+    machine["loadavg_at_end"] = list(os.getloadavg())
+    out = args.out or REPO / "docs" / "bench" / "memory_cpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ok = [r for r in rows if "error" not in r]
+    png = out.with_suffix(".png")
+    plot_note = None
+    try:
+        plot(ok, worlds, png, f"flatshard FULL_SHARD peak memory per rank, vocab {args.vocab_size}, "
+             f"B{args.batch_size} T{args.seq_len}, AdamW fp32, torch {torch.__version__}, {started[:10]}")
+    except Exception as err:  # no matplotlib: the JSON is the primary output
+        plot_note = f"plot skipped: {type(err).__name__}: {err}"
+        print(plot_note)
+    report = {
+        "benchmark": "memory",
+        "date": started,
+        "command": "python benchmarks/memory.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": machine,
+        "config": dict(base_cfg, sizes=args.sizes, world_sizes=worlds, tolerance=TOLERANCE),
+        "definitions": {
+            "measured": "max over ranks of (VmHWM during training, reset after setup) - VmRSS right before "
+            "the model is built (after imports, process-group init, making the batches, gc and a barrier)",
+            "theory": "16 bytes x this rank's padded shard (params, grads, AdamW exp_avg/exp_avg_sq) + "
+            "8 bytes x largest unit's padded numel when N > 1 + saved activation bytes (forward + "
+            "cross-entropy, world-1 run, gathered parameters excluded)",
+            "setup": "VmRSS after shard() and AdamW creation - base (theory: params shard only)",
+        },
+        "rows": rows,
+        "raw_per_rank": raw,
+        "table": table,
+        "plot": None if plot_note else str(png),
+        "plot_note": plot_note,
+    }
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {out}" + ("" if plot_note else f" and {png}"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
