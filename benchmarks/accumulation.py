@@ -75,7 +75,10 @@ def run(rank: int, world: int, cfg: dict[str, Any], name: str) -> dict[str, Any]
     model_cfg = dict(cfg, batch_size=cfg["micro_batch_size"])
     model = _build_model(model_cfg)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weight once
-    info: dict[str, Any] = {"num_params": sum(p.numel() for p in model.parameters()), "param_bytes": param_bytes}
+    info: dict[str, Any] = {
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "param_bytes": param_bytes,
+    }
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -308,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if len(ok) > 1:
         summary["max_loss_diff_between_contenders"] = max(
-            max(r["losses"][i] for r in ok) - min(r["losses"][i] for r in ok) for i in range(len(ok[0]["losses"]))
+            max(r["losses"][i] for r in ok) - min(r["losses"][i] for r in ok)
+            for i in range(len(ok[0]["losses"]))
         )
     table = format_table(results, cfg)
     print()

@@ -53,8 +53,20 @@ TOLERANCE = 0.15
 PHASES = ("forward", "backward", "optimizer")
 
 
+RSS_KEYS = ("VmRSS", "RssAnon", "RssFile")
+ALLOCATORS = {
+    # name: MALLOC_MMAP_THRESHOLD_ for the ranks (None: glibc's default, a dynamic threshold)
+    "glibc": None,
+    "mmap64k": "65536",
+}
+
+
 def _rss_kib() -> int:
     return _proc_status_kib("VmRSS")["VmRSS"] or 0
+
+
+def _rss_split_kib() -> dict[str, int]:
+    return {k: v or 0 for k, v in _proc_status_kib(*RSS_KEYS).items()}
 
 
 def _phase_peak_kib() -> int:
@@ -77,6 +89,7 @@ def run(rank: int, world: int, cfg: dict[str, Any], count_activations: bool) -> 
     gc.collect()
     dist.barrier()
     info: dict[str, Any] = {"rss_base_kib": _rss_kib()}  # everything measured is relative to this
+    info["base_split_kib"] = _rss_split_kib()
 
     model = _build_model(cfg)
     info["num_params"] = sum(p.numel() for p in model.parameters())  # tied embedding/head once
@@ -110,6 +123,7 @@ def run(rank: int, world: int, cfg: dict[str, Any], count_activations: bool) -> 
     info["phase_peaks_kib"] = phase_peaks
     info["peak_kib"] = max(max(p.values()) for p in phase_peaks)
     info["rss_after_train_kib"] = _rss_kib()
+    info["after_train_split_kib"] = _rss_split_kib()  # RssFile growth: code pages of the kernels used
     info["losses"] = losses
     if count_activations:  # after the measured steps, so it cannot change them
         idx, tgt = batches[0]
@@ -146,26 +160,35 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def plot(rows: list[dict[str, Any]], worlds: list[int], path: Path, title: str) -> None:
+def plot(
+    rows: list[dict[str, Any]], worlds: list[int], allocators: list[str], path: Path, title: str
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    for i, w in enumerate(worlds):
-        pts = sorted((r["num_params"], r["measured_mib_max_rank"], r["theory_mib"]) for r in rows if r["world"] == w)
-        if not pts:
-            continue
-        x = [p[0] / 1e6 for p in pts]
-        color = f"C{i}"
-        ax.plot(x, [p[1] for p in pts], "o-", color=color, label=f"N={w} measured (max over ranks)")
-        ax.plot(x, [p[2] for p in pts], "x--", color=color, label=f"N={w} theory")
-    ax.set_xlabel("parameters (millions)")
-    ax.set_ylabel("MiB per rank (peak RSS during training - RSS before model build)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(title, fontsize=9)
+    fig, axes = plt.subplots(
+        1, len(allocators), figsize=(6.5 * len(allocators), 5), sharey=True, squeeze=False
+    )
+    for ax, alloc in zip(axes[0], allocators, strict=True):
+        for i, w in enumerate(worlds):
+            pts = sorted(
+                (r["num_params"], r["measured_mib_max_rank"], r["theory_mib"])
+                for r in rows
+                if r["world"] == w and r["allocator"] == alloc
+            )
+            if not pts:
+                continue
+            x = [p[0] / 1e6 for p in pts]
+            ax.plot(x, [p[1] for p in pts], "o-", color=f"C{i}", label=f"N={w} measured (max over ranks)")
+            ax.plot(x, [p[2] for p in pts], "x--", color=f"C{i}", label=f"N={w} theory")
+        ax.set_xlabel("parameters (millions)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_title(f"allocator: {alloc} ({ALLOCATOR_LABELS[alloc]})", fontsize=9)
+    axes[0][0].set_ylabel("MiB per rank: peak RSS during training - RSS before model build")
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -173,6 +196,7 @@ def plot(rows: list[dict[str, Any]], worlds: list[int], path: Path, title: str) 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     head = [
+        "allocator",
         "d_model x layers",
         "params",
         "N",
@@ -181,41 +205,151 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         "measured/theory",
         "within 15%",
         "excess MiB",
-        "setup: measured / params shard MiB",
-        "peak phase",
-        "activations MiB",
+        "code pages MiB",
+        "setup / params shard MiB",
+        "peak at",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['size']} | - | {r['world']} | FAILED: {r['error'].splitlines()[-1][:90]} |")
-            continue
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    r["size"],
-                    f"{r['num_params'] / 1e6:.2f}M",
-                    str(r["world"]),
-                    " / ".join(f"{x:.0f}" for x in r["measured_mib_per_rank"]),
-                    f"{r['theory_mib']:.0f}",
-                    f"{r['ratio_max_rank']:.2f}",
-                    "yes" if r["within_tolerance"] else "no",
-                    f"{r['measured_mib_max_rank'] - r['theory_mib']:+.0f}",
-                    f"{r['setup_mib_max_rank']:.0f} / {r['theory_parts_mib']['params_shard']:.0f}",
-                    r["peak_phase"],
-                    f"{r['theory_parts_mib']['activations']:.0f}",
-                ]
+            lines.append(
+                f"| {r['allocator']} | {r['size']} | - | {r['world']} | FAILED: "
+                f"{r['error'].strip().splitlines()[-1][:90]} |"
             )
-            + " |"
-        )
+            continue
+        cells = [
+            r["allocator"],
+            r["size"],
+            f"{r['num_params'] / 1e6:.2f}M",
+            str(r["world"]),
+            " / ".join(f"{x:.0f}" for x in r["measured_mib_per_rank"]),
+            f"{r['theory_mib']:.1f}",
+            f"{r['ratio_max_rank']:.2f}",
+            "yes" if r["within_tolerance"] else "no",
+            f"{r['measured_mib_max_rank'] - r['theory_mib']:+.0f}",
+            f"{max(r['file_backed_growth_mib_per_rank']):.0f}",
+            f"{r['setup_mib_max_rank']:.0f} / {r['theory_parts_mib']['params_shard']:.0f}",
+            r["peak_phase"],
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def format_theory(rows: list[dict[str, Any]]) -> str:
+    head = ["d_model x layers", "N", "params+grads+AdamW shard", "largest unit x2", "activations", "theory"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    seen = set()
+    for r in rows:
+        if "error" in r or (r["size"], r["world"]) in seen:
+            continue
+        seen.add((r["size"], r["world"]))
+        t = r["theory_parts_mib"]
+        state = t["params_shard"] + t["grads_shard"] + t["adamw_states"]
+        cells = [r["size"], str(r["world"]), f"{state:.1f}", f"{t['largest_unit_unsharded']:.1f}"]
+        cells += [f"{t['activations']:.1f}", f"{t['total']:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+ALLOCATOR_LABELS = {
+    "glibc": "glibc malloc, default dynamic mmap threshold",
+    "mmap64k": "MALLOC_MMAP_THRESHOLD_=65536: blocks >= 64 KiB are mmap'd and unmapped on free",
+}
+
+
+def measure(
+    cfg: dict[str, Any], size: str, world: int, allocator: str, activation_bytes: int | None, timeout: float
+) -> dict[str, Any]:
+    """One (allocator, size, world) point: spawn the ranks and turn their figures into a row."""
+    from flatshard.testing import spawn
+
+    threshold = ALLOCATORS[allocator]
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    # glibc reads the variable when malloc initialises, i.e. at process start: set it for the children.
+    if threshold is None:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    else:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = threshold
+    t0 = time.perf_counter()
+    try:
+        per_rank = spawn(run, world, cfg, world == 1, timeout=timeout)
+    finally:
+        if saved is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+    r0 = per_rank[0]
+    if world == 1:
+        activation_bytes = r0["activation_bytes"]
+    if activation_bytes is None:
+        raise RuntimeError("no world-1 run of this size: activations unknown")
+    parts = theory(r0, world, activation_bytes)
+    measured = [(r["peak_kib"] - r["rss_base_kib"]) / 1024 for r in per_rank]
+    setup = [(r["rss_after_setup_kib"] - r["rss_base_kib"]) / 1024 for r in per_rank]
+    worst = max(range(world), key=lambda i: measured[i])
+    phases = per_rank[worst]["phase_peaks_kib"]
+    step, phase = max(
+        ((s, ph) for s in range(len(phases)) for ph in PHASES), key=lambda sp: phases[sp[0]][sp[1]]
+    )
+    theory_mib = parts["total"] / MIB
+    base_w = per_rank[worst]["rss_base_kib"]
+    row: dict[str, Any] = {
+        "allocator": allocator,
+        "size": size,
+        "d_model": cfg["d_model"],
+        "n_layer": cfg["n_layer"],
+        "n_head": cfg["n_head"],
+        "world": world,
+        "num_params": r0["num_params"],
+        "unit_numels": r0["unit_numels"],
+        "local_numel_per_rank": [r["local_numel"] for r in per_rank],
+        "measured_mib_per_rank": [round(x, 1) for x in measured],
+        "measured_mib_max_rank": max(measured),
+        "theory_mib": theory_mib,
+        "theory_parts_mib": {k: v / MIB for k, v in parts.items()},
+        "activation_bytes": activation_bytes,
+        "ratio_max_rank": max(measured) / theory_mib,
+        "ratio_per_rank": [x / theory_mib for x in measured],
+        "within_tolerance": abs(max(measured) / theory_mib - 1) <= TOLERANCE,
+        "rss_base_mib_per_rank": [r["rss_base_kib"] / 1024 for r in per_rank],
+        "build_mib_per_rank": [(r["rss_after_build_kib"] - r["rss_base_kib"]) / 1024 for r in per_rank],
+        "setup_mib_per_rank": [round(x, 1) for x in setup],
+        "setup_mib_max_rank": max(setup),
+        "train_increase_mib_per_rank": [(r["peak_kib"] - r["rss_after_setup_kib"]) / 1024 for r in per_rank],
+        "after_train_minus_base_mib_per_rank": [
+            (r["rss_after_train_kib"] - r["rss_base_kib"]) / 1024 for r in per_rank
+        ],
+        "file_backed_growth_mib_per_rank": [
+            (r["after_train_split_kib"]["RssFile"] - r["base_split_kib"]["RssFile"]) / 1024 for r in per_rank
+        ],
+        "anon_growth_after_train_mib_per_rank": [
+            (r["after_train_split_kib"]["RssAnon"] - r["base_split_kib"]["RssAnon"]) / 1024 for r in per_rank
+        ],
+        "peak_phase": f"step {step + 1} {phase}",
+        "phase_peaks_minus_base_mib_max_rank": [
+            {ph: round((pk[ph] - base_w) / 1024, 1) for ph in PHASES} for pk in phases
+        ],
+        "hwm_reset": all(r["hwm_reset"] for r in per_rank),
+        "losses_rank0": r0["losses"],
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    if world == 1:
+        row["activation_bytes_model_forward_only"] = r0["activation_bytes_model_only"]
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="256x4,384x6,512x8", help="comma list of d_modelxn_layer (heads = d/64)")
+    p.add_argument(
+        "--sizes", default="256x4,384x6,512x8", help="comma list of d_modelxn_layer (heads = d/64)"
+    )
     p.add_argument("--world-sizes", default="1,2,4", help="comma list; 1 must be included (activations)")
+    p.add_argument(
+        "--allocators",
+        default="glibc,mmap64k",
+        help="comma list: glibc (default malloc settings; the headline result) and/or mmap64k\n"
+        "(MALLOC_MMAP_THRESHOLD_=65536, so freed blocks go back to the OS: the diagnostic run)",
+    )
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=2, help="sequences per rank")
@@ -223,15 +357,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
-    p.add_argument("--out", type=Path, default=None, help="default docs/bench/memory_cpu.json (PNG next to it)")
+    p.add_argument(
+        "--out", type=Path, default=None, help="default docs/bench/memory_cpu.json (PNG next to it)"
+    )
     args = p.parse_args(argv)
     sizes = parse_sizes(args.sizes)
     worlds = sorted({int(w) for w in args.world_sizes.split(",")})
+    allocators = [a.strip() for a in args.allocators.split(",") if a.strip()]
     if worlds[0] != 1:
         raise SystemExit("--world-sizes must include 1: its run measures the activations")
     if max(worlds) > 4:
         raise SystemExit("at most 4 ranks")
-    from flatshard.testing import spawn
+    if not allocators or any(a not in ALLOCATORS for a in allocators):
+        raise SystemExit(f"--allocators: choose from {', '.join(ALLOCATORS)}")
 
     base_cfg = {
         "vocab_size": args.vocab_size,
@@ -247,81 +385,42 @@ def main(argv: list[str] | None = None) -> int:
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     machine = machine_info(base_cfg)
     rows: list[dict[str, Any]] = []
-    raw: dict[str, Any] = {}
-    for d_model, n_layer in sizes:
-        size = f"{d_model}x{n_layer}"
-        cfg = dict(base_cfg, d_model=d_model, n_layer=n_layer, n_head=max(1, d_model // 64))
-        activation_bytes = None
-        for world in worlds:
-            key = f"{size}/N{world}"
-            t0 = time.perf_counter()
-            try:
-                per_rank = spawn(run, world, cfg, world == 1, timeout=args.timeout)
-            except Exception as err:
-                rows.append({"size": size, "world": world, "error": f"{type(err).__name__}: {err}"})
-                print(f"{key}: FAILED\n{err}", flush=True)
-                continue
-            raw[key] = per_rank
-            r0 = per_rank[0]
-            if world == 1:
-                activation_bytes = r0["activation_bytes"]
-            if activation_bytes is None:
-                rows.append({"size": size, "world": world, "error": "no world-1 run: activations unknown"})
-                continue
-            parts = theory(r0, world, activation_bytes)
-            measured = [(r["peak_kib"] - r["rss_base_kib"]) / 1024 for r in per_rank]
-            setup = [(r["rss_after_setup_kib"] - r["rss_base_kib"]) / 1024 for r in per_rank]
-            worst = max(range(world), key=lambda i: measured[i])
-            phases = per_rank[worst]["phase_peaks_kib"]
-            step, phase = max(
-                ((s, ph) for s in range(len(phases)) for ph in PHASES), key=lambda sp: phases[sp[0]][sp[1]]
-            )
-            theory_mib = parts["total"] / MIB
-            row = {
-                "size": size,
-                "d_model": d_model,
-                "n_layer": n_layer,
-                "world": world,
-                "num_params": r0["num_params"],
-                "unit_numels": r0["unit_numels"],
-                "local_numel_per_rank": [r["local_numel"] for r in per_rank],
-                "measured_mib_per_rank": [round(x, 1) for x in measured],
-                "measured_mib_max_rank": max(measured),
-                "theory_mib": theory_mib,
-                "theory_parts_mib": {k: v / MIB for k, v in parts.items()},
-                "ratio_max_rank": max(measured) / theory_mib,
-                "ratio_per_rank": [x / theory_mib for x in measured],
-                "within_tolerance": abs(max(measured) / theory_mib - 1) <= TOLERANCE,
-                "rss_base_mib_per_rank": [r["rss_base_kib"] / 1024 for r in per_rank],
-                "build_mib_per_rank": [(r["rss_after_build_kib"] - r["rss_base_kib"]) / 1024 for r in per_rank],
-                "setup_mib_per_rank": [round(x, 1) for x in setup],
-                "setup_mib_max_rank": max(setup),
-                "train_increase_mib_per_rank": [
-                    (r["peak_kib"] - r["rss_after_setup_kib"]) / 1024 for r in per_rank
-                ],
-                "rss_after_train_minus_base_mib_per_rank": [
-                    (r["rss_after_train_kib"] - r["rss_base_kib"]) / 1024 for r in per_rank
-                ],
-                "peak_phase": f"step {step + 1} {phase}",
-                "phase_peaks_minus_base_mib_max_rank": [
-                    {ph: (pk[ph] - per_rank[worst]["rss_base_kib"]) / 1024 for ph in PHASES} for pk in phases
-                ],
-                "hwm_reset": all(r["hwm_reset"] for r in per_rank),
-                "losses_rank0": r0["losses"],
-                "seconds": time.perf_counter() - t0,
-            }
-            if world == 1:
-                row["activation_bytes_model_forward_only"] = r0["activation_bytes_model_only"]
-            rows.append(row)
-            print(
-                f"{key}: {row['num_params'] / 1e6:.2f}M params, measured {row['measured_mib_per_rank']} MiB, "
-                f"theory {theory_mib:.1f} MiB (x{row['ratio_max_rank']:.2f}), setup {row['setup_mib_per_rank']} "
-                f"MiB, peak at {row['peak_phase']}, {row['seconds']:.0f}s",
-                flush=True,
-            )
+    t_start = time.perf_counter()
+    for allocator in allocators:
+        for d_model, n_layer in sizes:
+            size = f"{d_model}x{n_layer}"
+            cfg = dict(base_cfg, d_model=d_model, n_layer=n_layer, n_head=max(1, d_model // 64))
+            activation_bytes = None
+            for world in worlds:
+                try:
+                    row = measure(cfg, size, world, allocator, activation_bytes, args.timeout)
+                except Exception as err:  # record it and go on
+                    rows.append(
+                        {
+                            "allocator": allocator,
+                            "size": size,
+                            "world": world,
+                            "error": f"{type(err).__name__}: {err}",
+                        }
+                    )
+                    print(f"{allocator} {size} N={world}: FAILED\n{err}", flush=True)
+                    continue
+                activation_bytes = row["activation_bytes"]
+                rows.append(row)
+                print(
+                    f"{allocator} {size} N={world}: {row['num_params'] / 1e6:.2f}M params, measured "
+                    f"{row['measured_mib_per_rank']} MiB, theory {row['theory_mib']:.1f} MiB "
+                    f"(x{row['ratio_max_rank']:.2f}), setup {row['setup_mib_per_rank']} MiB, "
+                    f"peak at {row['peak_phase']}, {row['seconds']:.0f}s",
+                    flush=True,
+                )
     table = format_table(rows)
+    theory_table = format_theory(rows)
     print()
     print(table)
+    print()
+    print("theory components (MiB per rank):")
+    print(theory_table)
     machine["loadavg_at_end"] = list(os.getloadavg())
     out = args.out or REPO / "docs" / "bench" / "memory_cpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -329,33 +428,45 @@ def main(argv: list[str] | None = None) -> int:
     png = out.with_suffix(".png")
     plot_note = None
     try:
-        plot(ok, worlds, png, f"flatshard FULL_SHARD peak memory per rank, vocab {args.vocab_size}, "
-             f"B{args.batch_size} T{args.seq_len}, AdamW fp32, torch {torch.__version__}, {started[:10]}")
-    except Exception as err:  # no matplotlib: the JSON is the primary output
+        title = (
+            f"flatshard FULL_SHARD (unit per Block), AdamW fp32, vocab {args.vocab_size}, "
+            f"B{args.batch_size} T{args.seq_len} per rank, torch {torch.__version__}, {started[:10]}"
+        )
+        plot(ok, worlds, [a for a in allocators if any(r["allocator"] == a for r in ok)], png, title)
+    except Exception as err:  # e.g. no matplotlib: the JSON is the primary output
         plot_note = f"plot skipped: {type(err).__name__}: {err}"
         print(plot_note)
     report = {
         "benchmark": "memory",
         "date": started,
         "command": "python benchmarks/memory.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "total_seconds": round(time.perf_counter() - t_start, 1),
         "machine": machine,
-        "config": dict(base_cfg, sizes=args.sizes, world_sizes=worlds, tolerance=TOLERANCE),
+        "config": dict(
+            base_cfg, sizes=args.sizes, world_sizes=worlds, allocators=allocators, tolerance=TOLERANCE
+        ),
+        "allocators": {a: ALLOCATOR_LABELS[a] for a in allocators},
         "definitions": {
-            "measured": "max over ranks of (VmHWM during training, reset after setup) - VmRSS right before "
-            "the model is built (after imports, process-group init, making the batches, gc and a barrier)",
-            "theory": "16 bytes x this rank's padded shard (params, grads, AdamW exp_avg/exp_avg_sq) + "
-            "8 bytes x largest unit's padded numel when N > 1 + saved activation bytes (forward + "
-            "cross-entropy, world-1 run, gathered parameters excluded)",
-            "setup": "VmRSS after shard() and AdamW creation - base (theory: params shard only)",
+            "measured": "max over ranks of (VmHWM during training, reset with clear_refs after setup) - VmRSS "
+            "right before the model is built (after imports, process-group init, making the batches, "
+            "gc.collect() and a barrier)",
+            "theory": "16 bytes x this rank's padded shard numel (params, grads, AdamW exp_avg and exp_avg_sq) "
+            "+ 8 bytes x the largest unit's padded numel when N > 1 (its gathered parameters and unsharded "
+            "gradient; at N = 1 the shard is the unsharded unit) + saved activation bytes (forward + "
+            "cross-entropy, counted by flatshard.testing.activations.saved_activation_bytes in the world-1 "
+            "run, gathered parameters excluded); formula_literal_total also adds the unit term at N = 1",
+            "setup": "VmRSS after shard() and AdamW creation - base (theory: the params shard only)",
+            "code pages": "RssFile after training - RssFile at base: file-backed pages (mostly libtorch code) "
+            "the run touched for the first time; part of measured, not of theory",
         },
         "rows": rows,
-        "raw_per_rank": raw,
         "table": table,
+        "theory_table": theory_table,
         "plot": None if plot_note else str(png),
         "plot_note": plot_note,
     }
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {out}" + ("" if plot_note else f" and {png}"))
+    print(f"\nwrote {out}" + ("" if plot_note else f" and {png}") + f" in {report['total_seconds']:.0f}s")
     return 0 if ok else 1
 
 

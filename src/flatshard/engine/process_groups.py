@@ -4,20 +4,38 @@ A unit's flat parameter is sharded over the *shard group*; ranks holding the sam
 *replicate group*, over which gradient shards are all-reduced. FULL_SHARD / SHARD_GRAD_OP shard over
 the whole group and have no replicate group; NO_SHARD is the degenerate case of a one-rank shard group
 replicated over everyone (that is what makes it behave like DDP on the same code path).
+
+[Note: hybrid groups]
+HYBRID_SHARD / HYBRID_SHARD_ZERO2 shard inside groups of ``k`` consecutive ranks (a node, by default)
+and replicate across them: shard group ``i`` is ranks ``[i*k, (i+1)*k)``, replicate group ``j`` is ranks
+``j, j+k, j+2k, ...``. Groups come from ``shard_group_size=k``, a ``(shard_group, replicate_group)``
+tuple, or a 2-D ``DeviceMesh`` (dim 0 replicates, dim 1 shards, torch's convention). Groups made from
+a size are created once per (world, k) and reused, so every unit of a model shares the same groups
+(required: a unit whose groups differ is refused). Both groups must have more than one rank: with one
+replica per group there would be nothing to replicate across (and a 2-D mesh of that shape is where torch
+once silently stopped syncing gradients); with one rank per shard group nothing would be sharded. Use
+FULL_SHARD or NO_SHARD for those.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch.distributed as dist
 
 from flatshard.engine.config import ShardingStrategy
 
-__all__ = ["resolve_groups"]
+__all__ = ["hybrid_groups", "resolve_groups"]
+
+# (world size, shard group size) -> (default group, shard groups, replicate groups); entries made under an
+# earlier default group (destroyed and initialized again) are stale and made anew.
+_HYBRID_CACHE: dict[tuple[int, int], tuple[Any, list[Any], list[Any]]] = {}
 
 
-def resolve_groups(strategy: ShardingStrategy, process_group: Any | None) -> tuple[Any | None, Any | None]:
+def resolve_groups(
+    strategy: ShardingStrategy, process_group: Any | None, shard_group_size: int | None = None
+) -> tuple[Any | None, Any | None]:
     """``(shard_group, replicate_group)``; ``None`` for a group of one rank or a non-distributed run."""
     if not (dist.is_available() and dist.is_initialized()):
         if process_group is not None:
@@ -25,14 +43,117 @@ def resolve_groups(strategy: ShardingStrategy, process_group: Any | None) -> tup
                 "shard(process_group=...) was given but torch.distributed is not initialized. "
                 "HINT: call torch.distributed.init_process_group() first."
             )
+        if strategy.is_hybrid:
+            raise ValueError(
+                f"sharding_strategy={strategy.name} needs torch.distributed to be initialized (it shards within "
+                "groups and replicates across them). HINT: call torch.distributed.init_process_group() first."
+            )
         return None, None
     if strategy.is_hybrid:
-        raise NotImplementedError("hybrid sharding groups arrive with the hybrid sharding issue.")
-    if isinstance(process_group, tuple):
+        return _resolve_hybrid(strategy, process_group, shard_group_size)
+    if shard_group_size is not None:
         raise ValueError(
-            f"A (shard_group, replicate_group) tuple is only valid for hybrid strategies, not {strategy.name}."
+            f"shard_group_size={shard_group_size} only applies to HYBRID_SHARD / HYBRID_SHARD_ZERO2, not "
+            f"{strategy.name}. HINT: drop it, or use a hybrid strategy."
+        )
+    if isinstance(process_group, tuple) or _is_mesh(process_group):
+        raise ValueError(
+            f"A (shard_group, replicate_group) tuple or a DeviceMesh is only valid for hybrid strategies, not "
+            f"{strategy.name}."
         )
     group = process_group if process_group is not None else dist.group.WORLD
     if strategy is ShardingStrategy.NO_SHARD:
         return None, (group if dist.get_world_size(group) > 1 else None)
     return group, None
+
+
+def _is_mesh(value: Any) -> bool:
+    return type(value).__name__ == "DeviceMesh" and hasattr(value, "get_group")
+
+
+def _resolve_hybrid(
+    strategy: ShardingStrategy, process_group: Any | None, shard_group_size: int | None
+) -> tuple[Any, Any]:
+    world = dist.get_world_size()
+    if process_group is not None and shard_group_size is not None:
+        raise ValueError(
+            "Give either shard_group_size or process_group (a (shard_group, replicate_group) tuple or a "
+            "DeviceMesh) for hybrid sharding, not both."
+        )
+    if process_group is not None and _is_mesh(process_group):
+        if process_group.ndim != 2:
+            raise ValueError(
+                f"A DeviceMesh for {strategy.name} must be 2-D (replicate, shard), got {process_group.ndim}-D "
+                f"with shape {tuple(process_group.shape)}."
+            )
+        shard, replicate = process_group.get_group(1), process_group.get_group(0)
+    elif isinstance(process_group, tuple):
+        if len(process_group) != 2:
+            raise ValueError(
+                f"process_group for {strategy.name} must be a (shard_group, replicate_group) pair, got "
+                f"{len(process_group)} groups."
+            )
+        shard, replicate = process_group
+    elif process_group is not None:
+        raise ValueError(
+            f"process_group for {strategy.name} must be a (shard_group, replicate_group) tuple or a 2-D "
+            f"DeviceMesh, got {type(process_group).__name__}. HINT: or pass shard_group_size=k."
+        )
+    else:
+        k = shard_group_size if shard_group_size is not None else _local_world_size(strategy)
+        return hybrid_groups(k)
+    n_shard, n_replicate = dist.get_world_size(shard), dist.get_world_size(replicate)
+    if n_shard * n_replicate != world:
+        raise ValueError(
+            f"{strategy.name}: shard group ({n_shard} ranks) x replicate group ({n_replicate} ranks) must "
+            f"cover the world ({world} ranks)."
+        )
+    _check_sizes(strategy, n_shard, world)
+    return shard, replicate
+
+
+def _local_world_size(strategy: ShardingStrategy) -> int:
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if value is None:
+        raise ValueError(
+            f"{strategy.name} shards within a node by default, but the number of ranks per node is unknown "
+            "(LOCAL_WORLD_SIZE is not set). HINT: pass shard_group_size=k (ranks per shard group)."
+        )
+    return int(value)
+
+
+def _check_sizes(strategy: ShardingStrategy, k: int, world: int) -> None:
+    if k <= 1 or k >= world:
+        what = (
+            "nothing would be sharded"
+            if k <= 1
+            else "there would be one replica, nothing to replicate across"
+        )
+        hint = "NO_SHARD" if k <= 1 else "FULL_SHARD (or SHARD_GRAD_OP)"
+        raise ValueError(
+            f"{strategy.name} with shard groups of {k} rank(s) out of {world}: {what}. HINT: use {hint}, or a "
+            f"shard group size between 2 and {world // 2} that divides {world}."
+        )
+
+
+def hybrid_groups(k: int) -> tuple[Any, Any]:
+    """This rank's (shard group, replicate group) for shard groups of ``k`` consecutive ranks (cached).
+
+    Every rank must call it with the same ``k`` (group creation is collective).
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if not isinstance(k, int) or isinstance(k, bool):
+        raise TypeError(f"shard_group_size must be an int, got {type(k).__name__}: {k!r}.")
+    if world % k != 0:
+        raise ValueError(
+            f"shard_group_size={k} does not divide the world size {world}. HINT: use a divisor of {world} "
+            "(usually the number of devices per node)."
+        )
+    _check_sizes(ShardingStrategy.HYBRID_SHARD, k, world)
+    cached = _HYBRID_CACHE.get((world, k))
+    if cached is None or cached[0] is not dist.group.WORLD:
+        shards = [dist.new_group(list(range(i * k, (i + 1) * k))) for i in range(world // k)]
+        replicas = [dist.new_group(list(range(j, world, k))) for j in range(k)]
+        cached = _HYBRID_CACHE[(world, k)] = (dist.group.WORLD, shards, replicas)
+    _, shards, replicas = cached
+    return shards[rank // k], replicas[rank % k]

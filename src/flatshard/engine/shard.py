@@ -70,6 +70,7 @@ def shard(
     forward_prefetch: bool = False,
     activation_checkpointing_policy: Any = None,
     param_init_fn: ParamInitFn | None = None,
+    shard_group_size: int | None = None,
 ) -> nn.Module:
     """Shard ``module`` in place over the ranks of ``process_group`` and return it.
 
@@ -80,12 +81,17 @@ def shard(
     Args:
         module: the module to shard; it is the root unit. Submodules sharded by earlier ``shard()`` calls
             are kept as they are (manual nesting: shard inner modules first).
-        sharding_strategy: ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"`` or ``"NO_SHARD"``.
+        sharding_strategy: ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"``, ``"NO_SHARD"``, ``"HYBRID_SHARD"``
+            (FULL_SHARD inside shard groups, replicated across them) or ``"HYBRID_SHARD_ZERO2"``
+            (SHARD_GRAD_OP inside); see [Note: hybrid groups].
         auto_wrap_policy: which submodules become units of their own: ``None`` (default, only the root),
             a set of module classes (or import paths), an int (minimum parameters per unit), or a callable
             ``(module, recurse, nonwrapped_numel) -> bool`` (torch FSDP's policy contract).
         ignored_modules: modules whose parameters are left alone (not sharded, gradients not reduced).
-        process_group: the ranks to shard over. Default: all ranks (``None``: the default group).
+        process_group: the ranks to shard over. Default: all ranks (``None``: the default group). For hybrid
+            strategies: a ``(shard_group, replicate_group)`` tuple or a 2-D ``DeviceMesh`` (replicate, shard).
+        shard_group_size: hybrid strategies: ranks per shard group (consecutive ranks; must divide the world
+            size). Default: ``LOCAL_WORLD_SIZE`` (shard within a node).
         device: where shards and compute live. Default: the current CUDA device with NCCL, else CPU.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding. Default: ``False``.
         backward_prefetch: when to issue the next unit's all-gather in backward: ``"BACKWARD_PRE"``
@@ -124,8 +130,6 @@ def shard(
             "shard inner modules first and the outer module last."
         )
     strategy = normalize_sharding_strategy(sharding_strategy)
-    if strategy.is_hybrid:
-        raise _not_yet("hybrid sharding", f"sharding_strategy={strategy.name}", "the hybrid sharding issue")
     mp = normalize_mixed_precision(mixed_precision)
     offload = normalize_cpu_offload(cpu_offload)
     prefetch = normalize_backward_prefetch(backward_prefetch)
@@ -135,7 +139,7 @@ def shard(
     policy = resolve_policy(auto_wrap_policy)
     checkpoint_check = resolve_checkpointing_policy(activation_checkpointing_policy)
     ignored = _expand_ignored(module, ignored_modules)
-    shard_group, replicate_group = resolve_groups(strategy, process_group)
+    shard_group, replicate_group = resolve_groups(strategy, process_group, shard_group_size)
     target = torch.device(device) if device is not None else _default_device(shard_group)
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
@@ -154,6 +158,7 @@ def shard(
     finished = {m for m in module.modules() if m is not module and get_unit_state(m) is not None}
     # Only the outermost finished units matter: their subtrees are done.
     managed = {p for m in finished for s in [get_unit_state(m)] if s and s.handle for p in s.handle.params}
+    _check_same_hybrid_groups(module, finished, strategy, shard_group, replicate_group)
     unit_modules = select_unit_modules(module, policy, ignored, finished)
     full_precision: list[nn.Module] = []
     if mp is not None and mp.param_dtype is not None:
@@ -208,6 +213,31 @@ def shard(
     if checkpoint_check is not None:
         _checkpoint_inside_units(module, checkpoint_check, ignored)
     return module
+
+
+def _check_same_hybrid_groups(
+    root: nn.Module,
+    finished: set[nn.Module],
+    strategy: ShardingStrategy,
+    shard_group: Any,
+    replicate_group: Any,
+) -> None:
+    """Units under one root that use hybrid sharding must share their groups (see [Note: hybrid groups])."""
+    names = {m: n for n, m in root.named_modules()}
+    for m in finished:
+        state = get_unit_state(m)
+        if state is None or state.handle is None:
+            continue
+        inner = state.handle
+        if not (strategy.is_hybrid or state.strategy.is_hybrid):
+            continue
+        if inner.shard_group is not shard_group or inner.replicate_group is not replicate_group:
+            raise ValueError(
+                f"{type(m).__name__} ({names.get(m, '?')!r}) was sharded with {state.strategy.name} over other process "
+                f"groups than {strategy.name} here; every unit of a hybrid-sharded model must use the same shard and "
+                "replicate groups. HINT: pass the same shard_group_size (or the same group tuple / DeviceMesh) to "
+                "every shard() call."
+            )
 
 
 def _checkpoint_inside_units(root: nn.Module, check: CheckFn, ignored: set[nn.Module]) -> None:
