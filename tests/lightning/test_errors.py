@@ -56,10 +56,8 @@ def test_unknown_strategy_name_is_named_in_the_error() -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name, feature", [("flatshard_hybrid", "hybrid sharding")])
-def test_registered_names_of_later_features_refuse_to_build(name: str, feature: str) -> None:
-    with pytest.raises(NotImplementedError, match=feature):
-        _trainer(strategy=name)
+def test_hybrid_name_builds_a_hybrid_strategy() -> None:
+    assert _trainer(strategy="flatshard_hybrid").strategy.sharding_strategy.name == "HYBRID_SHARD"
 
 
 @pytest.mark.timeout(300)
@@ -93,23 +91,29 @@ def test_auto_wrap_policy_of_the_wrong_kind() -> None:
     )
 
 
-LATER_FEATURES = [
-    ({"shard_group_size": 2}, "shard_group_size.*hybrid"),
-    ({"process_group": object()}, "process_group.*hybrid"),
-    ({"device_mesh": (1, 2)}, "device_mesh.*hybrid"),
-    ({"sharding_strategy": "HYBRID_SHARD"}, "sharding_strategy.*hybrid sharding"),
-    ({"sharding_strategy": "hybrid_shard_zero2"}, "sharding_strategy.*hybrid sharding"),
+BAD_HYBRID_ARGUMENTS = [
+    ({"shard_group_size": 2}, ValueError, "only apply to HYBRID_SHARD"),
+    ({"device_mesh": (1, 2)}, ValueError, "only apply to HYBRID_SHARD"),
+    (
+        {"sharding_strategy": "HYBRID_SHARD", "shard_group_size": 2, "device_mesh": (2, 2)},
+        ValueError,
+        "Give one of",
+    ),
+    ({"sharding_strategy": "HYBRID_SHARD", "shard_group_size": "2"}, TypeError, "positive int"),
+    ({"sharding_strategy": "HYBRID_SHARD", "process_group": object()}, TypeError, "tuple"),
+    ({"sharding_strategy": "HYBRID_SHARD", "device_mesh": (2, 0)}, ValueError, "two positive ints"),
+    ({"sharding_strategy": "HYBRID_SHARD", "device_mesh": "2x2"}, TypeError, "DeviceMesh"),
 ]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "kwargs, match",
-    LATER_FEATURES,
-    ids=[str(next(iter(k))) + f"-{i}" for i, (k, _) in enumerate(LATER_FEATURES)],
+    "kwargs, error, match",
+    BAD_HYBRID_ARGUMENTS,
+    ids=[f"hybrid-{i}" for i in range(len(BAD_HYBRID_ARGUMENTS))],
 )
-def test_later_features_raise_not_implemented_naming_the_feature(kwargs: dict[str, Any], match: str) -> None:
-    with pytest.raises(NotImplementedError, match=match):
+def test_bad_hybrid_arguments_are_refused(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
         flatshard.FlatShardStrategy(**kwargs)
 
 

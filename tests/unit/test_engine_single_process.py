@@ -111,10 +111,9 @@ def test_tied_param_shared_outside_a_manually_sharded_unit_is_an_error() -> None
         flatshard.shard(model)
 
 
-def test_not_yet_available_features_raise_not_implemented() -> None:
-    for kwargs in ({"sharding_strategy": "HYBRID_SHARD"},):
-        with pytest.raises(NotImplementedError, match="not available"):
-            flatshard.shard(TinyGPT(), **kwargs)
+def test_hybrid_sharding_without_a_process_group_is_an_error() -> None:
+    with pytest.raises(ValueError, match="needs torch.distributed to be initialized"):
+        flatshard.shard(TinyGPT(), sharding_strategy="HYBRID_SHARD")
 
 
 def test_mixed_dtypes_in_one_unit_are_refused() -> None:

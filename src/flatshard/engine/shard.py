@@ -41,13 +41,6 @@ from flatshard.engine.wrap import PolicyLike, plan_units, resolve_policy, select
 __all__ = ["is_sharded", "no_sync", "shard", "unit_states"]
 
 
-def _not_yet(feature: str, arg: str, issue: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"{arg}: {feature} is not available in this flatshard release yet ({issue}). "
-        f"HINT: leave {arg.split('=')[0]} at its default for now."
-    )
-
-
 def _default_device(group: Any | None) -> torch.device:
     if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

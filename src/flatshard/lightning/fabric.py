@@ -197,7 +197,13 @@ class FlatShardFabricStrategy(ParallelStrategy):
         _move_metrics(module, self.root_device)  # first: a metric built on meta is refused before sharding
         if not is_sharded(module):
             flag = str(getattr(self.precision, "precision", "32-true"))
-            shard(module, **self.options.shard_kwargs(self.root_device, mixed_precision_for(flag)))
+            kwargs = self.options.shard_kwargs(
+                self.root_device,
+                mixed_precision_for(flag),
+                self.num_processes,
+                self.num_nodes * self.num_processes,
+            )
+            shard(module, **kwargs)
         self._sharded_modules.append(module)
         return module
 

@@ -1,7 +1,7 @@
 """Strategy arguments, validated once and shared by the Trainer and Fabric strategies.
 
-Arguments whose feature lands in a later release raise ``NotImplementedError`` naming the feature
-when set to anything but their default; no argument is ever silently ignored.
+Every argument is checked here, with an error that names it and a hint; no argument is ever silently
+ignored.
 """
 
 from __future__ import annotations
@@ -30,13 +30,6 @@ _START_METHODS = ("popen", "spawn")
 _GRAD_ACCUMULATION = ("sharded", "no_sync")
 
 
-def _later(arg: str, value: Any, feature: str, issue: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"{arg}={value!r}: {feature} is not available in this flatshard release yet ({issue}). "
-        f"HINT: leave {arg} at its default for now."
-    )
-
-
 @dataclass(frozen=True)
 class StrategyOptions:
     sharding_strategy: ShardingStrategy
@@ -52,6 +45,9 @@ class StrategyOptions:
     param_init_fn: Any
     start_method: str
     grad_accumulation: str = "sharded"
+    shard_group_size: int | None = None
+    process_group: Any = None
+    device_mesh: Any = None
 
     @classmethod
     def create(
@@ -75,15 +71,45 @@ class StrategyOptions:
         grad_accumulation: Any = "sharded",
     ) -> StrategyOptions:
         strategy = normalize_sharding_strategy(sharding_strategy)
-        if strategy.is_hybrid:
-            raise _later("sharding_strategy", strategy.name, "hybrid sharding", "the hybrid sharding issue")
-        for arg, value in (
-            ("shard_group_size", shard_group_size),
-            ("process_group", process_group),
-            ("device_mesh", device_mesh),
+        given = {
+            k: v
+            for k, v in (
+                ("shard_group_size", shard_group_size),
+                ("process_group", process_group),
+                ("device_mesh", device_mesh),
+            )
+            if v is not None
+        }
+        if given and not strategy.is_hybrid:
+            raise ValueError(
+                f"{', '.join(given)} only apply to HYBRID_SHARD / HYBRID_SHARD_ZERO2, not {strategy.name}. HINT: "
+                "set sharding_strategy='HYBRID_SHARD', or drop them."
+            )
+        if len(given) > 1:
+            raise ValueError(
+                f"Give one of shard_group_size, process_group, device_mesh, not {', '.join(given)}."
+            )
+        if shard_group_size is not None and (
+            not isinstance(shard_group_size, int)
+            or isinstance(shard_group_size, bool)
+            or shard_group_size < 1
         ):
-            if value is not None:
-                raise _later(arg, value, "hybrid sharding groups", "the hybrid sharding issue")
+            raise TypeError(f"shard_group_size must be a positive int, got {shard_group_size!r}.")
+        if process_group is not None and not (isinstance(process_group, tuple) and len(process_group) == 2):
+            raise TypeError(
+                f"process_group must be a (shard_group, replicate_group) tuple, got {type(process_group).__name__}."
+            )
+        if isinstance(device_mesh, (tuple, list)):
+            if len(device_mesh) != 2 or not all(isinstance(d, int) and d > 0 for d in device_mesh):
+                raise ValueError(
+                    f"device_mesh={device_mesh!r} must be (replicas, ranks per shard group), two positive ints."
+                )
+            device_mesh = tuple(device_mesh)
+        elif device_mesh is not None and type(device_mesh).__name__ != "DeviceMesh":
+            raise TypeError(
+                f"device_mesh must be a (replicas, shard group size) tuple or a 2-D DeviceMesh, got "
+                f"{type(device_mesh).__name__}."
+            )
         checkpoint_check = resolve_checkpointing_policy(activation_checkpointing_policy)
         for arg, value in (
             ("limit_all_gathers", limit_all_gathers),
@@ -119,12 +145,23 @@ class StrategyOptions:
             param_init_fn=param_init_fn,
             start_method=start_method,
             grad_accumulation=grad_accumulation,
+            shard_group_size=shard_group_size,
+            process_group=process_group,
+            device_mesh=device_mesh,
         )
 
-    def shard_kwargs(self, device: torch.device, precision: MixedPrecision | None = None) -> dict[str, Any]:
+    def shard_kwargs(
+        self,
+        device: torch.device,
+        precision: MixedPrecision | None = None,
+        ranks_per_node: int = 1,
+        world_size: int = 1,
+    ) -> dict[str, Any]:
         """Arguments for ``flatshard.shard`` on ``device``; ``precision`` is the precision plugin's config,
-        used unless ``mixed_precision`` was given explicitly."""
+        used unless ``mixed_precision`` was given explicitly. Hybrid strategies shard within a node
+        (``ranks_per_node``) unless the groups were given."""
         return {
+            **self._group_kwargs(ranks_per_node, world_size),
             "mixed_precision": self.mixed_precision if self.mixed_precision is not None else precision,
             "sharding_strategy": self.sharding_strategy,
             "auto_wrap_policy": self.auto_wrap_policy,
@@ -137,3 +174,20 @@ class StrategyOptions:
             "cpu_offload": self.cpu_offload,
             "device": device,
         }
+
+    def _group_kwargs(self, ranks_per_node: int, world_size: int) -> dict[str, Any]:
+        if not self.sharding_strategy.is_hybrid:
+            return {}
+        if self.process_group is not None:
+            return {"process_group": self.process_group}
+        if isinstance(self.device_mesh, tuple):
+            replicas, size = self.device_mesh
+            if replicas * size != world_size:
+                raise ValueError(
+                    f"device_mesh={self.device_mesh} has {replicas * size} ranks but the world has {world_size}. "
+                    f"HINT: (replicas, ranks per shard group) must multiply to {world_size}."
+                )
+            return {"shard_group_size": size}
+        if self.device_mesh is not None:
+            return {"process_group": self.device_mesh}
+        return {"shard_group_size": self.shard_group_size or ranks_per_node}

@@ -110,7 +110,11 @@ class FlatShardStrategy(ParallelStrategy):
             or ``torch.device("meta")`` in ``configure_model``): called with each module holding meta
             parameters once their storage exists; it must fill them in place. Default: ``None`` (each
             module's ``reset_parameters()``). Materialization goes one unit at a time, right before sharding.
-        shard_group_size, process_group, device_mesh: hybrid sharding, a later release; must be ``None``.
+        shard_group_size: hybrid strategies: ranks per shard group (must divide the world size). Default: the
+            devices per node (shard within a node, replicate across nodes).
+        process_group: hybrid strategies: a ``(shard_group, replicate_group)`` tuple of process groups.
+        device_mesh: hybrid strategies: ``(replicas, ranks per shard group)`` or a 2-D ``DeviceMesh``
+            (dim 0 replicates, dim 1 shards). Give at most one of these three.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default: by device.
         timeout: process-group timeout.
         start_method: ``"popen"`` (default: the script is re-run per rank, like ``ddp``) or ``"spawn"``.
@@ -273,7 +277,10 @@ class FlatShardStrategy(ParallelStrategy):
             log.debug("flatshard: model is already sharded; reusing its units.")
         else:
             config = self.precision_plugin.mixed_precision_config
-            shard(model, **self.options.shard_kwargs(self.root_device, config))
+            kwargs = self.options.shard_kwargs(
+                self.root_device, config, self.num_processes, self.num_nodes * self.num_processes
+            )
+            shard(model, **kwargs)
         return model
 
     @contextmanager

@@ -1,0 +1,71 @@
+"""Hybrid sharding through the Trainer: 4 gloo ranks set up as 2 nodes x 2 devices (the environment
+Lightning reads on a real cluster), HYBRID_SHARD and HYBRID_SHARD_ZERO2 against DDP on the same nodes."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+import flatshard
+from flatshard.engine import unit_states
+from flatshard.testing import spawn
+from flatshard.testing.models import Block
+
+from .lit_common import (
+    LitGPT,
+    LossRecorder,
+    assert_same_optimizer_state,
+    assert_same_weights,
+    load_ckpt,
+    make_loader,
+    make_trainer,
+)
+
+STEPS = 3
+NODES, PER_NODE = 2, 2
+
+CASES: dict[str, Any] = {
+    "ddp": lambda: "ddp",
+    "hybrid": lambda: "flatshard_hybrid",  # default groups: shard within a node
+    "hybrid_zero2": lambda: flatshard.FlatShardStrategy(
+        sharding_strategy="HYBRID_SHARD_ZERO2", auto_wrap_policy={Block}
+    ),
+    "hybrid_mesh": lambda: flatshard.FlatShardStrategy(
+        sharding_strategy="HYBRID_SHARD", auto_wrap_policy={Block}, device_mesh=(NODES, PER_NODE)
+    ),
+}
+
+
+def _train(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    os.environ.update({"NODE_RANK": str(rank // PER_NODE), "LOCAL_RANK": str(rank % PER_NODE)})
+    os.environ.pop("LOCAL_WORLD_SIZE", None)  # the Trainer knows the devices per node itself
+    results: dict[str, Any] = {}
+    for name, make in CASES.items():
+        model = LitGPT()
+        recorder = LossRecorder()
+        trainer = make_trainer(PER_NODE, make(), num_nodes=NODES, max_epochs=1, callbacks=[recorder])
+        trainer.fit(model, make_loader(STEPS, 2 * world, world))
+        trainer.save_checkpoint(os.path.join(out_dir, f"{name}.ckpt"))
+        info: dict[str, Any] = {"losses": recorder.losses, "global_rank": trainer.global_rank}
+        if name != "ddp":
+            handles = [s.handle for s in unit_states(model) if s.handle is not None]
+            info["groups"] = sorted({(h.shard_world, h.replicate_world) for h in handles})
+        results[name] = info
+    return results
+
+
+@pytest.mark.timeout(600)
+def test_hybrid_through_the_trainer_matches_ddp(tmp_path: Any) -> None:
+    ranks = spawn(_train, NODES * PER_NODE, str(tmp_path))
+    assert [r["ddp"]["global_rank"] for r in ranks] == [0, 1, 2, 3]
+    ddp = load_ckpt(tmp_path / "ddp.ckpt")
+    for name in ("hybrid", "hybrid_zero2", "hybrid_mesh"):
+        for r in ranks:
+            assert r[name]["groups"] == [(PER_NODE, NODES)], (name, r[name]["groups"])
+            for a, b in zip(r[name]["losses"], ranks[0]["ddp"]["losses"], strict=True):
+                assert abs(a - b) <= 1e-5, (name, r[name]["losses"], ranks[0]["ddp"]["losses"])
+        ckpt = load_ckpt(tmp_path / f"{name}.ckpt")
+        assert_same_weights(ckpt["state_dict"], ddp["state_dict"], f"{name} vs ddp")
+        assert_same_optimizer_state(ckpt["optimizer_states"][0], ddp["optimizer_states"][0], f"{name} vs ddp")
