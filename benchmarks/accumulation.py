@@ -28,6 +28,7 @@ import datetime as _dt
 import gc
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -102,11 +103,13 @@ def run(rank: int, world: int, cfg: dict[str, Any], name: str) -> dict[str, Any]
     info["rss_after_setup_mib"] = _mib(_proc_status_kib("VmRSS")["VmRSS"])
     info["hwm_reset"] = _reset_peak_rss()  # from here on: the training steps only
     times: list[float] = []
+    cpu_times: list[float] = []
     losses: list[torch.Tensor] = []
     comm_per_step: list[dict[str, int]] = []
     for step in range(n_steps):
         comm.comm_stats.clear()
         dist.barrier()
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         total = torch.zeros(())
         for i in range(m):
@@ -118,15 +121,19 @@ def run(rank: int, world: int, cfg: dict[str, Any], name: str) -> dict[str, Any]
         opt.step()
         opt.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - t0
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
         comm_per_step.append(dict(comm.comm_stats))
         losses.append(total)
         if step >= cfg["warmup"]:
             times.append(elapsed)
+            # CPU time of this rank's process (all its threads): less sensitive to other load than wall time
+            cpu_times.append(ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime)
     st = _proc_status_kib("VmHWM", "VmRSS")
     info["peak_rss_train_mib"] = _mib(st["VmHWM"])
     info["rss_after_train_mib"] = _mib(st["VmRSS"])
     info["peak_rss_increase_mib"] = round(st["VmHWM"] / 1024 - info["rss_after_setup_mib"], 1)
     info["step_times_s"] = times
+    info["cpu_times_s"] = cpu_times
     info["comm_bytes_per_step"] = comm_per_step
     # gloo without a native reduce_scatter falls back to all_reduce (see flatshard.engine.comm).
     info["reduce_scatter_fallback"] = sorted(comm._NO_NATIVE_REDUCE_SCATTER)
@@ -136,10 +143,11 @@ def run(rank: int, world: int, cfg: dict[str, Any], name: str) -> dict[str, Any]
     return info
 
 
-def summarize(name: str, per_rank: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
-    r0 = per_rank[0]
+def summarize(name: str, runs: list[list[dict[str, Any]]], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Aggregate one contender's runs (``--repeats``; each a list of per-rank results)."""
+    last = runs[-1]
+    r0 = last[0]
     m = cfg["micro_batches"]
-    timed = r0["comm_bytes_per_step"][cfg["warmup"] :]
     if name == "ddp":
         synced = 1  # model.no_sync() for the first m-1 micro-batches: one all-reduce of every gradient
         reduce_bytes = synced * r0["param_bytes"]
@@ -149,35 +157,46 @@ def summarize(name: str, per_rank: list[dict[str, Any]], cfg: dict[str, Any]) ->
         )
         gather_bytes = 0
     else:
+        timed = [s for run in runs for s in run[0]["comm_bytes_per_step"][cfg["warmup"] :]]
         per_step = [s.get("reduce_scatter", 0) + s.get("all_reduce", 0) for s in timed]
         if len(set(per_step)) != 1:
             raise RuntimeError(f"{name}: reduction bytes differ between steps: {per_step}")
         reduce_bytes = per_step[0]
         gather_bytes = timed[0].get("all_gather", 0)
         how = "counted: flatshard.engine.comm.comm_stats reduce_scatter + all_reduce, rank 0"
-    slowest = [max(ts) for ts in zip(*[r["step_times_s"] for r in per_rank], strict=True)]
+    world = len(last)
+    steps = [[t for run in runs for t in run[rank]["step_times_s"]] for rank in range(world)]
+    cpu = [[t for run in runs for t in run[rank]["cpu_times_s"]] for rank in range(world)]
+    slowest = [max(ts) for ts in zip(*steps, strict=True)]
+    peak = [max(run[rank]["peak_rss_train_mib"] for run in runs) for rank in range(world)]
+    increase = [max(run[rank]["peak_rss_increase_mib"] for run in runs) for rank in range(world)]
     return {
         "description": DESCRIPTIONS[name],
         "num_params": r0["num_params"],
         "param_bytes": r0["param_bytes"],
-        "local_param_numel_per_rank": [r["local_param_numel"] for r in per_rank],
+        "local_param_numel_per_rank": [r["local_param_numel"] for r in last],
         "reduce_bytes_per_step": reduce_bytes,
         "reduce_bytes_per_step_per_param_byte": reduce_bytes / r0["param_bytes"],
         "reduce_bytes_how": how,
         "all_gather_bytes_per_step": gather_bytes,
-        "comm_bytes_per_step_rank0": r0["comm_bytes_per_step"],
+        "comm_bytes_per_step_rank0": [run[0]["comm_bytes_per_step"] for run in runs],
         "reduce_scatter_fallback": r0["reduce_scatter_fallback"],
-        "median_step_s": statistics.median(r0["step_times_s"]),
+        "median_step_s": statistics.median(steps[0]),
+        "median_step_s_per_repeat": [statistics.median(run[0]["step_times_s"]) for run in runs],
         "median_slowest_rank_step_s": statistics.median(slowest),
-        "step_times_s_per_rank": [[round(t, 4) for t in r["step_times_s"]] for r in per_rank],
-        "median_micro_batch_s": statistics.median(r0["step_times_s"]) / m,
-        "peak_rss_train_mib_per_rank": [r["peak_rss_train_mib"] for r in per_rank],
-        "peak_rss_increase_mib_per_rank": [r["peak_rss_increase_mib"] for r in per_rank],
-        "rss_after_setup_mib_per_rank": [r["rss_after_setup_mib"] for r in per_rank],
-        "rss_after_train_mib_per_rank": [r["rss_after_train_mib"] for r in per_rank],
-        "hwm_reset": all(r["hwm_reset"] for r in per_rank),
-        "setup_s": max(r["setup_s"] for r in per_rank),
+        "median_cpu_s_per_step_per_rank": [statistics.median(c) for c in cpu],
+        "step_times_s_per_rank": [[round(t, 4) for t in ts] for ts in steps],
+        "cpu_times_s_per_rank": [[round(t, 3) for t in c] for c in cpu],
+        "median_micro_batch_s": statistics.median(steps[0]) / m,
+        "peak_rss_train_mib_per_rank": peak,
+        "peak_rss_increase_mib_per_rank": increase,
+        "peak_rss_train_mib_per_repeat_per_rank": [[r["peak_rss_train_mib"] for r in run] for run in runs],
+        "rss_after_setup_mib_per_rank": [r["rss_after_setup_mib"] for r in last],
+        "rss_after_train_mib_per_rank": [r["rss_after_train_mib"] for r in last],
+        "hwm_reset": all(r["hwm_reset"] for run in runs for r in run),
+        "setup_s": max(r["setup_s"] for run in runs for r in run),
         "losses": r0["losses"],
+        "losses_identical_across_repeats": all(run[0]["losses"] == r0["losses"] for run in runs),
     }
 
 
@@ -196,6 +215,9 @@ def ratios(results: dict[str, dict[str, Any]], num: str, den: str) -> dict[str, 
             max(a["peak_rss_increase_mib_per_rank"]), max(b["peak_rss_increase_mib_per_rank"])
         ),
         "median_step_time": _ratio(a["median_step_s"], b["median_step_s"]),
+        "median_cpu_time": _ratio(
+            max(a["median_cpu_s_per_step_per_rank"]), max(b["median_cpu_s_per_step_per_rank"])
+        ),
     }
 
 
@@ -207,6 +229,7 @@ def format_table(results: dict[str, dict[str, Any]], cfg: dict[str, Any]) -> str
         "all-gather MiB/step",
         "median step s",
         "slowest-rank s",
+        "CPU s/step/rank",
         "peak RSS MiB/rank",
         "train ΔRSS MiB/rank",
         "losses (global mean per step)",
@@ -227,6 +250,7 @@ def format_table(results: dict[str, dict[str, Any]], cfg: dict[str, Any]) -> str
                     "-" if ddp else f"{r['all_gather_bytes_per_step'] / MIB:.1f}",
                     f"{r['median_step_s']:.3f}",
                     f"{r['median_slowest_rank_step_s']:.3f}",
+                    " / ".join(f"{x:.2f}" for x in r["median_cpu_s_per_step_per_rank"]),
                     " / ".join(f"{x:.0f}" for x in r["peak_rss_train_mib_per_rank"]),
                     " / ".join(f"{x:.0f}" for x in r["peak_rss_increase_mib_per_rank"]),
                     ", ".join(f"{x:.5f}" for x in r["losses"]),
@@ -250,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed optimizer steps")
     p.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps first")
     p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1, help="run every contender this many times, interleaved")
     p.add_argument("--contenders", default=",".join(CONTENDERS), help="comma list, run in this order")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument("--seed", type=int, default=0)
@@ -259,8 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     if any(c not in CONTENDERS for c in contenders):
         raise SystemExit(f"--contenders: choose from {', '.join(CONTENDERS)}")
-    if args.micro_batches < 1 or args.steps < 1 or args.warmup < 0:
-        raise SystemExit("--micro-batches and --steps must be >= 1, --warmup >= 0")
+    if min(args.micro_batches, args.steps, args.repeats) < 1 or args.warmup < 0:
+        raise SystemExit("--micro-batches, --steps and --repeats must be >= 1, --warmup >= 0")
     cfg = dict(PRESETS[args.preset])
     cfg.update(
         preset=args.preset,
@@ -269,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         warmup=args.warmup,
         world_size=args.world_size,
+        repeats=args.repeats,
         threads=args.threads,
         seed=args.seed,
         optimizer="AdamW(lr=1e-4), other defaults",
@@ -283,26 +309,40 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.preset}: d_model={cfg['d_model']} n_layer={cfg['n_layer']} vocab={cfg['vocab_size']} "
         f"seq={cfg['seq_len']} | {args.world_size} ranks x {args.micro_batches} micro-batches of "
-        f"{args.micro_batch_size} per optimizer step | warmup {args.warmup}, timed {args.steps}",
+        f"{args.micro_batch_size} per optimizer step | warmup {args.warmup}, timed {args.steps}, "
+        f"repeats {args.repeats}",
         flush=True,
     )
+    runs: dict[str, list[list[dict[str, Any]]]] = {c: [] for c in contenders}
+    loads: dict[str, list[float]] = {c: [] for c in contenders}
+    errors: dict[str, str] = {}
+    for rep in range(args.repeats):
+        for name in contenders:  # interleaved, so slow drifts of the machine hit every contender alike
+            if name in errors:
+                continue
+            t0 = time.perf_counter()
+            try:
+                per_rank = spawn(run, args.world_size, cfg, name, timeout=args.timeout)
+            except Exception as err:  # record and go on with the others
+                errors[name] = f"{type(err).__name__}: {err}"
+                print(f"  {name}: FAILED\n{err}", flush=True)
+                continue
+            runs[name].append(per_rank)
+            loads[name].append(round(os.getloadavg()[0], 2))
+            r0 = per_rank[0]
+            print(
+                f"  [{rep + 1}/{args.repeats}] {name}: {time.perf_counter() - t0:.0f}s, median step "
+                f"{statistics.median(r0['step_times_s']):.3f}s (CPU {statistics.median(r0['cpu_times_s']):.2f}s), "
+                f"peak RSS {[r['peak_rss_train_mib'] for r in per_rank]} MiB, load {loads[name][-1]}",
+                flush=True,
+            )
     results: dict[str, dict[str, Any]] = {}
     for name in contenders:
-        t0 = time.perf_counter()
-        try:
-            per_rank = spawn(run, args.world_size, cfg, name, timeout=args.timeout)
-            results[name] = summarize(name, per_rank, cfg)
-        except Exception as err:  # record and go on with the others
-            results[name] = {"description": DESCRIPTIONS[name], "error": f"{type(err).__name__}: {err}"}
-            print(f"  {name}: FAILED\n{err}", flush=True)
+        if name in errors:
+            results[name] = {"description": DESCRIPTIONS[name], "error": errors[name]}
             continue
-        r = results[name]
-        results[name]["loadavg_after_run"] = [round(x, 2) for x in os.getloadavg()]
-        print(
-            f"  {name}: {time.perf_counter() - t0:.0f}s, reduce {r['reduce_bytes_per_step'] / MIB:.1f} MiB/step, "
-            f"median step {r['median_step_s']:.3f}s, peak RSS {r['peak_rss_train_mib_per_rank']} MiB",
-            flush=True,
-        )
+        results[name] = summarize(name, runs[name], cfg)
+        results[name]["loadavg_1min_after_each_run"] = loads[name]
     ok = [r for r in results.values() if "error" not in r]
     summary: dict[str, Any] = {
         "no_sync/sharded": ratios(results, "no_sync", "sharded"),
@@ -323,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         if rat:
             print(
                 f"{key}: reduce bytes x{rat['reduce_bytes']:.3f}, peak RSS x{rat['peak_rss']:.3f} "
-                f"(training ΔRSS x{rat['peak_rss_increase']:.3f}), median step time x{rat['median_step_time']:.3f}"
+                f"(training ΔRSS x{rat['peak_rss_increase']:.3f}), median step time x{rat['median_step_time']:.3f} "
+                f"(CPU time x{rat['median_cpu_time']:.3f})"
             )
     if "max_loss_diff_between_contenders" in summary:
         print(f"max loss difference between contenders: {summary['max_loss_diff_between_contenders']:.2e}")

@@ -6,15 +6,20 @@ FULL_SHARD (one unit per ``Block``), create ``AdamW(lr=1e-4)`` and train ``--ste
 (``--batch-size`` sequences of ``--seq-len`` per rank). Per rank it records
 
 * **measured** = peak RSS during training (``VmHWM``, reset with ``clear_refs`` after setup) minus the RSS
-  right before the model is built (after imports, process-group init and a barrier);
+  right before the model is built (after imports, process-group init, making the batches, gc, a barrier);
 * **theory** = (parameters + gradients + 2 AdamW states, fp32) / N (this rank's padded shard)
   + the largest unit unsharded (its parameters + its gradient; 0 at N = 1, where the shard *is* the
   unsharded unit) + the activations autograd saves for backward (counted with
   ``flatshard.testing.activations.saved_activation_bytes`` on the world-1 run's forward + loss);
 
-and a breakdown (RSS after setup, per-phase peaks) to explain the difference.
+and what explains the difference: RSS after setup, per-phase peaks, file-backed (code) pages touched,
+glibc's own accounting (``mallinfo2``: freed memory malloc keeps) and how much RSS ``malloc_trim(0)``
+gives back after training. Every point runs twice by default: with glibc's default malloc settings (the
+headline numbers) and with ``MALLOC_MMAP_THRESHOLD_=65536`` (blocks of 64 KiB and more are mapped and
+unmapped on free, so RSS follows live memory: the diagnostic run).
 
-    python benchmarks/memory.py
+    python benchmarks/memory.py                       # both allocator settings, ~5 min on 2 cores
+    python benchmarks/memory.py --allocators glibc    # headline numbers only, ~2.5 min
 
 Writes ``docs/bench/memory_cpu.json`` and ``docs/bench/memory_cpu.png`` (see ``benchmarks/README.md``).
 """
@@ -22,6 +27,7 @@ Writes ``docs/bench/memory_cpu.json`` and ``docs/bench/memory_cpu.png`` (see ``b
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime as _dt
 import gc
 import json
@@ -61,6 +67,36 @@ ALLOCATORS = {
 }
 
 
+_MALLINFO2_FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2_FIELDS]
+
+
+def _libc() -> Any | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):  # not glibc, or glibc < 2.33
+        return None
+
+
+def _malloc_kib(libc: Any | None) -> dict[str, int] | None:
+    """glibc's own accounting over all arenas: bytes in use, free but kept, and mmap'd chunks."""
+    if libc is None:
+        return None
+    mi = libc.mallinfo2()
+    return {
+        "in_use": mi.uordblks // 1024,  # allocated from the arenas (sbrk/heap memory)
+        "free_kept": mi.fordblks // 1024,  # freed, still owned by malloc (RSS if the pages were touched)
+        "arena": mi.arena // 1024,  # arena address space (in use + free)
+        "mmapped": mi.hblkhd // 1024,  # chunks above the mmap threshold (unmapped on free)
+    }
+
+
 def _rss_kib() -> int:
     return _proc_status_kib("VmRSS")["VmRSS"] or 0
 
@@ -88,8 +124,10 @@ def run(rank: int, world: int, cfg: dict[str, Any], count_activations: bool) -> 
     batches = _make_batches(dict(cfg, warmup=0), rank, world, torch.device("cpu"))
     gc.collect()
     dist.barrier()
+    libc = _libc()
     info: dict[str, Any] = {"rss_base_kib": _rss_kib()}  # everything measured is relative to this
     info["base_split_kib"] = _rss_split_kib()
+    info["base_malloc_kib"] = _malloc_kib(libc)
 
     model = _build_model(cfg)
     info["num_params"] = sum(p.numel() for p in model.parameters())  # tied embedding/head once
@@ -107,23 +145,32 @@ def run(rank: int, world: int, cfg: dict[str, Any], count_activations: bool) -> 
 
     vocab = cfg["vocab_size"]
     phase_peaks: list[dict[str, int]] = []
+    phase_malloc: list[dict[str, Any]] = []  # glibc's accounting at the end of each phase
     losses = []
     for idx, tgt in batches:
         dist.barrier()
         _phase_peak_kib()
         loss = F.cross_entropy(model(idx).view(-1, vocab), tgt.view(-1))
         peaks = {"forward": _phase_peak_kib()}
+        mallocs = {"forward": _malloc_kib(libc)}
         loss.backward()
         peaks["backward"] = _phase_peak_kib()
+        mallocs["backward"] = _malloc_kib(libc)
         opt.step()
         opt.zero_grad(set_to_none=True)
         peaks["optimizer"] = _phase_peak_kib()
+        mallocs["optimizer"] = _malloc_kib(libc)
         phase_peaks.append(peaks)
+        phase_malloc.append(mallocs)
         losses.append(loss.item())
     info["phase_peaks_kib"] = phase_peaks
     info["peak_kib"] = max(max(p.values()) for p in phase_peaks)
     info["rss_after_train_kib"] = _rss_kib()
     info["after_train_split_kib"] = _rss_split_kib()  # RssFile growth: code pages of the kernels used
+    info["phase_malloc_kib"] = phase_malloc
+    if libc is not None:  # how much of the RSS is free memory malloc kept: give it back and look again
+        libc.malloc_trim(0)
+        info["rss_after_trim_kib"] = _rss_kib()
     info["losses"] = losses
     if count_activations:  # after the measured steps, so it cannot change them
         idx, tgt = batches[0]
@@ -186,7 +233,11 @@ def plot(
         ax.set_xlabel("parameters (millions)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        ax.set_title(f"allocator: {alloc} ({ALLOCATOR_LABELS[alloc]})", fontsize=9)
+        short = {
+            "glibc": "glibc malloc defaults (headline)",
+            "mmap64k": "MALLOC_MMAP_THRESHOLD_=65536 (diagnostic)",
+        }
+        ax.set_title(f"{alloc}: {short[alloc]}", fontsize=9)
     axes[0][0].set_ylabel("MiB per rank: peak RSS during training - RSS before model build")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -208,6 +259,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         "code pages MiB",
         "setup / params shard MiB",
         "peak at",
+        "malloc free kept MiB",
+        "trim released MiB",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
@@ -231,6 +284,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{r['setup_mib_max_rank']:.0f} / {r['theory_parts_mib']['params_shard']:.0f}",
             r["peak_phase"],
         ]
+        if "malloc_at_peak_phase_end_minus_base_mib" in r:
+            cells.append(f"{r['malloc_at_peak_phase_end_minus_base_mib']['free_kept']:+.0f}")
+            cells.append(f"{max(r['trim_released_mib_per_rank']):.0f}")
+        else:
+            cells += ["-", "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -333,6 +391,18 @@ def measure(
         "losses_rank0": r0["losses"],
         "seconds": round(time.perf_counter() - t0, 1),
     }
+    mw = per_rank[worst]
+    if mw["base_malloc_kib"] is not None:
+        at_peak = mw["phase_malloc_kib"][step][phase]
+        row["malloc_at_peak_phase_end_minus_base_mib"] = {
+            k: round((at_peak[k] - mw["base_malloc_kib"][k]) / 1024, 1) for k in at_peak
+        }
+        row["malloc_free_kept_max_phase_end_mib"] = round(
+            max(m[ph]["free_kept"] for m in mw["phase_malloc_kib"] for ph in PHASES) / 1024, 1
+        )
+        row["trim_released_mib_per_rank"] = [
+            round((r["rss_after_train_kib"] - r["rss_after_trim_kib"]) / 1024, 1) for r in per_rank
+        ]
     if world == 1:
         row["activation_bytes_model_forward_only"] = r0["activation_bytes_model_only"]
     return row
@@ -458,6 +528,10 @@ def main(argv: list[str] | None = None) -> int:
             "setup": "VmRSS after shard() and AdamW creation - base (theory: the params shard only)",
             "code pages": "RssFile after training - RssFile at base: file-backed pages (mostly libtorch code) "
             "the run touched for the first time; part of measured, not of theory",
+            "malloc free kept": "glibc mallinfo2().fordblks (freed memory malloc keeps in its arenas) at the end of "
+            "the phase holding the peak, minus its value at base, on the rank with the largest measured value",
+            "trim released": "VmRSS after training - VmRSS after malloc_trim(0) (max over ranks): freed heap memory "
+            "that was still resident",
         },
         "rows": rows,
         "table": table,

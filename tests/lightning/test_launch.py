@@ -25,12 +25,11 @@ def test_names_registered_for_trainer_and_fabric_and_registering_again_is_harmle
     assert trainer.strategy.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP
 
 
-@pytest.mark.parametrize(
-    "name, feature", [("flatshard_hybrid", "hybrid"), ("flatshard_offload", "CPU offload")]
-)
-def test_names_of_later_features_fail_clearly(name: str, feature: str) -> None:
-    with pytest.raises(NotImplementedError, match=feature):
-        make_trainer(1, name)
+def test_names_build_hybrid_and_offloading_strategies() -> None:
+    hybrid = make_trainer(1, "flatshard_hybrid").strategy
+    offload = make_trainer(1, "flatshard_offload").strategy
+    assert hybrid.sharding_strategy is ShardingStrategy.HYBRID_SHARD
+    assert offload.options.cpu_offload is True
 
 
 @pytest.mark.timeout(300)
