@@ -163,13 +163,11 @@ class FlatShardFabricStrategy(ParallelStrategy):
     @precision.setter
     @override
     def precision(self, precision: Precision | None) -> None:
-        if isinstance(precision, FabricMixedPrecision) and type(precision) is FabricMixedPrecision:
+        if type(precision) is FabricMixedPrecision:
             # the inf/NaN check of loss scaling must agree across shards: see [Note: precision flags]
             precision.scaler = sharded_scaler(precision.scaler, precision.device)
-        elif type(precision) is FabricHalfPrecision:
-            precision = FlatShardFabricHalfPrecision(
-                precision.precision
-            )  # keeps torchmetrics states as they are
+        elif type(precision) is FabricHalfPrecision:  # the same, but torchmetrics states are not cast
+            precision = FlatShardFabricHalfPrecision(precision.precision)
         elif precision is not None and type(precision) not in (Precision, FlatShardFabricHalfPrecision):
             raise ValueError(
                 f"precision={getattr(precision, 'precision', precision)!r} ({type(precision).__name__}) is not "
