@@ -163,6 +163,14 @@ def _validation(rank: int, world: int) -> dict[str, str]:
         out["no_local_size"] = "no error"
     except ValueError as err:
         out["no_local_size"] = str(err)
+    # sync_module_states: every replica and every shard group starts from rank 0's weights
+    torch.manual_seed(rank)
+    model = TinyGPT()
+    flatshard.shard(model, sharding_strategy="HYBRID_SHARD", shard_group_size=2, sync_module_states=True)
+    torch.manual_seed(0)
+    expected = TinyGPT().state_dict()
+    full = flatshard.get_state_dict(model, rank0_only=False)[0]
+    out["synced"] = str(all(torch.equal(full[k], v) for k, v in expected.items()))
     # units with different groups
     model = TinyGPT()
     flatshard.shard(model.blocks[0], sharding_strategy="HYBRID_SHARD", shard_group_size=2)
@@ -175,8 +183,10 @@ def _validation(rank: int, world: int) -> dict[str, str]:
 
 
 @pytest.mark.timeout(300)
-def test_hybrid_validation() -> None:
-    r = spawn(_validation, 4)[0]
+def test_hybrid_validation_and_sync_module_states() -> None:
+    results = spawn(_validation, 4)
+    assert all(r["synced"] == "True" for r in results), results
+    r = results[0]
     assert "does not divide the world size 4" in r["not_divisible"]
     assert "one replica" in r["one_replica"] and "FULL_SHARD" in r["one_replica"]
     assert "nothing would be sharded" in r["one_rank_groups"]
@@ -184,3 +194,4 @@ def test_hybrid_validation() -> None:
     assert "only applies to HYBRID_SHARD" in r["non_hybrid_size"]
     assert "LOCAL_WORLD_SIZE" in r["no_local_size"]
     assert "same shard and replicate groups" in r["mixed_groups"]
+    assert r["synced"] == "True"
