@@ -208,3 +208,60 @@ def test_fabric_bf16_true_with_empty_init_keeps_metrics_fp32() -> None:
             "meta_left": "False",
             "refused": "yes",
         }, r
+
+
+def _sharded_save(rank: int, world: int, tmp: str) -> None:
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=world,
+        strategy=flatshard.FlatShardFabricStrategy(state_dict_type="sharded"),
+    )
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(TinyGPT())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    idx, tgt = make_batch(0, 2 * world)
+    fabric.backward(model.module.loss(idx[2 * rank : 2 * rank + 2], tgt[2 * rank : 2 * rank + 2]))
+    optimizer.step()
+    fabric.save(Path(tmp) / "sharded", {"model": model, "optimizer": optimizer, "step": 7})
+    full, optim = flatshard.get_state_dict(model, optimizer.optimizer, rank0_only=False)
+    if rank == 0:
+        torch.save({"model": full, "optim": optim}, Path(tmp) / "expected.pt")
+    try:
+        fabric.save(Path(tmp) / "filtered", {"model": model}, filter={"model": lambda k, v: True})
+    except ValueError as err:
+        assert "filter" in str(err)
+    else:
+        raise AssertionError("filter with a sharded save must be refused")
+
+
+def _sharded_load(rank: int, world: int, tmp: str) -> dict[str, float]:
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=world,
+        strategy=flatshard.FlatShardFabricStrategy(state_dict_type="sharded"),
+    )
+    fabric.launch()
+    model = fabric.setup_module(TinyGPT())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    rest = fabric.load(Path(tmp) / "sharded", state)
+    expected = torch.load(Path(tmp) / "expected.pt")
+    full, optim = flatshard.get_state_dict(model, optimizer.optimizer, rank0_only=False)
+    return {
+        "weights": max((full[k] - v).abs().max().item() for k, v in expected["model"].items()),
+        "optim": max(
+            (optim["state"][i]["exp_avg"] - s["exp_avg"]).abs().max().item()
+            for i, s in expected["optim"]["state"].items()
+        ),
+        "step": float(state["step"]),
+        "rest": float(len(rest)),
+    }
+
+
+@pytest.mark.timeout(300)
+def test_fabric_sharded_checkpoint_resumes_on_another_world_size(tmp_path: Path) -> None:
+    spawn(_sharded_save, 2, str(tmp_path))
+    assert (tmp_path / "sharded").is_dir()
+    for r in spawn(_sharded_load, 3, str(tmp_path)):
+        assert r == {"weights": 0.0, "optim": 0.0, "step": 7.0, "rest": 0.0}, r

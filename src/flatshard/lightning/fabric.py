@@ -7,6 +7,7 @@ one full checkpoint file (plain model and optimizer state dicts).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
@@ -26,7 +27,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from flatshard.checkpoint import load_into
 from flatshard.checkpoint.files import atomic_save, load_checkpoint_file
+from flatshard.checkpoint.sharded import is_sharded_checkpoint, write_sharded_checkpoint
 from flatshard.engine import shard
 from flatshard.engine.clip import clip_grad_norm_params_
 from flatshard.engine.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -36,6 +39,7 @@ from flatshard.engine.optim_state import (
     load_full_optim_state_dict,
 )
 from flatshard.engine.shard import is_sharded, no_sync
+from flatshard.engine.sharded_state import sharded_model_state_dict, sharded_optim_state_dict
 from flatshard.engine.state_dict import (
     check_full_model_state_dict,
     full_model_state_dict,
@@ -51,6 +55,17 @@ if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 
 __all__ = ["FlatShardFabricStrategy"]
+
+log = logging.getLogger(__name__)
+
+_FABRIC_NAMES = "flatshard/fabric"  # which state entries held the module and the optimizers
+
+
+def _unwrap(obj: Any) -> Any:
+    """Fabric's module / optimizer wrappers -> the objects flatshard manages."""
+    if isinstance(obj, Module):
+        return getattr(obj, "_forward_module", obj)
+    return getattr(obj, "optimizer", obj) if not isinstance(obj, Optimizer) else obj
 
 
 class _NoSyncControl(_BackwardSyncControl):
@@ -119,13 +134,6 @@ class FlatShardFabricStrategy(ParallelStrategy):
             device_mesh=device_mesh,
             start_method=start_method,
         )
-        if state_dict_type == "sharded":
-            raise NotImplementedError(
-                "FlatShardFabricStrategy(state_dict_type='sharded') is not available yet: Fabric saves full "
-                "checkpoints for now (sharded Fabric checkpoints come with the ecosystem work). HINT: use "
-                "state_dict_type='full', or flatshard.save_checkpoint(path, module, optimizer, "
-                "state_dict_type='sharded') from the Fabric loop."
-            )
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -283,6 +291,14 @@ class FlatShardFabricStrategy(ParallelStrategy):
     ) -> None:
         if storage_options is not None:
             raise TypeError("FlatShardFabricStrategy.save_checkpoint does not take storage_options.")
+        if self.options.state_dict_type == "sharded":
+            if filter:
+                raise ValueError(
+                    "fabric.save(..., filter=...) is not supported with state_dict_type='sharded' (every rank writes "
+                    "its own pieces of the whole state). HINT: save without filter, or use state_dict_type='full'."
+                )
+            write_sharded_checkpoint(self._sharded_checkpoint(state), path)
+            return
         converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
         if self.is_global_zero:
             atomic_save(converted, path)
@@ -296,7 +312,10 @@ class FlatShardFabricStrategy(ParallelStrategy):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        checkpoint = load_checkpoint_file(self.broadcast(path), weights_only=weights_only)
+        path = self.broadcast(path)
+        if is_sharded_checkpoint(path):
+            return self._load_sharded(path, state, strict)
+        checkpoint = load_checkpoint_file(path, weights_only=weights_only)
         if not state:
             return checkpoint
         if isinstance(state, Module):
@@ -334,6 +353,77 @@ class FlatShardFabricStrategy(ParallelStrategy):
             else:
                 state[name] = checkpoint.pop(name)
         return checkpoint
+
+    # ------------------------------------------------------------------ sharded checkpoints
+    def _split_state(
+        self, state: Module | Optimizer | dict[str, Any] | None
+    ) -> tuple[str | None, Module | None, list[tuple[str, Optimizer]]]:
+        """The one sharded module in ``state`` (its name and object) and the optimizers, in ``state`` order."""
+        if isinstance(state, Module):
+            return None, state, []
+        if not isinstance(state, dict):
+            raise TypeError(
+                f"A sharded checkpoint is loaded into a module or a dict of state, got {type(state).__name__}."
+            )
+        modules = [(k, v) for k, v in state.items() if isinstance(v, Module) and is_sharded(_unwrap(v))]
+        if len(modules) != 1:
+            raise ValueError(
+                f"state_dict_type='sharded' saves and loads exactly one sharded module per checkpoint; the state has "
+                f"{len(modules)} ({', '.join(k for k, _ in modules) or 'none'}). HINT: put one model in the state, "
+                "or use state_dict_type='full'."
+            )
+        optimizers = [(k, _unwrap(v)) for k, v in state.items() if isinstance(_unwrap(v), Optimizer)]
+        return modules[0][0], _unwrap(modules[0][1]), optimizers  # type: ignore[return-value]
+
+    def _sharded_checkpoint(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The state as the sharded format stores it (see [Note: sharded checkpoint layout])."""
+        name, module, optimizers = self._split_state(state)
+        assert module is not None
+        extra = {
+            k: (v.state_dict() if hasattr(v, "state_dict") else v)
+            for k, v in state.items()
+            if k != name and k not in {n for n, _ in optimizers}
+        }
+        return {
+            "state_dict": sharded_model_state_dict(module),
+            "optimizer_states": [sharded_optim_state_dict(module, opt) for _, opt in optimizers],
+            _FABRIC_NAMES: {"module": name, "optimizers": [n for n, _ in optimizers]},
+            **extra,
+        }
+
+    def _load_sharded(self, path: Any, state: Any, strict: bool) -> dict[str, Any]:
+        name, module, optimizers = self._split_state(state)
+        assert module is not None
+        rest = load_into(
+            path,
+            module,
+            [opt for _, opt in optimizers],
+            strict=strict,
+            load_optimizer_states=bool(optimizers),
+        )
+        saved = rest.pop(_FABRIC_NAMES, {})
+        if optimizers and saved.get("optimizers") not in (None, [n for n, _ in optimizers]):
+            log.warning(
+                "flatshard: optimizers were saved as %s and loaded into %s, matched by position.",
+                saved.get("optimizers"),
+                [n for n, _ in optimizers],
+            )
+        if not isinstance(state, dict):
+            return rest
+        missing = [k for k in state if k != name and k not in {n for n, _ in optimizers} and k not in rest]
+        if strict and missing:
+            raise KeyError(
+                f"Checkpoint {path} has no entries {missing}. HINT: pass strict=False to skip them."
+            )
+        for key in list(state):
+            if key == name or key in {n for n, _ in optimizers} or key not in rest:
+                continue
+            obj = state[key]
+            if hasattr(obj, "load_state_dict") and hasattr(obj, "state_dict"):
+                obj.load_state_dict(rest.pop(key))
+            else:
+                state[key] = rest.pop(key)
+        return rest
 
     @classmethod
     @override
