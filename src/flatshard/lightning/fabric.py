@@ -98,7 +98,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
         auto_wrap_policy: Any = None,
         activation_checkpointing_policy: Any = None,
         cpu_offload: bool | CPUOffload | None = None,
-        mixed_precision: MixedPrecision | None = None,
+        mixed_precision: MixedPrecision | dict[str, Any] | None = None,
         limit_all_gathers: bool = True,
         backward_prefetch: BackwardPrefetch | str | None = "BACKWARD_PRE",
         forward_prefetch: bool = False,

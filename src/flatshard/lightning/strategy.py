@@ -145,7 +145,7 @@ class FlatShardStrategy(ParallelStrategy):
         | Callable[..., bool]
         | None = None,
         cpu_offload: bool | CPUOffload | None = None,
-        mixed_precision: MixedPrecision | None = None,
+        mixed_precision: MixedPrecision | dict[str, Any] | None = None,
         limit_all_gathers: bool = True,
         backward_prefetch: BackwardPrefetch | str | None = "BACKWARD_PRE",
         forward_prefetch: bool = False,
