@@ -123,6 +123,23 @@ class Block(nn.Module):
         return x
 
 
+@torch.no_grad()
+def init_weights(module: nn.Module) -> None:
+    """The GPT's initialisation of one module's own parameters: N(0, 0.02) for Linear/Embedding weights, zero
+    biases, ones/zeros for LayerNorm. Also the ``param_init_fn`` for building the GPT on the meta device."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    elif isinstance(module, nn.LayerNorm):
+        if module.weight is not None:
+            nn.init.ones_(module.weight)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
 class GPT(nn.Module):
     """Decoder-only transformer language model.
 
@@ -147,20 +164,10 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """(Re-)initialise every parameter: N(0, 0.02) for Linear/Embedding weights, zero biases,
-        ones/zeros for LayerNorm. Deterministic given the global torch RNG state."""
+        """(Re-)initialise every parameter with :func:`init_weights`. Deterministic given the global torch
+        RNG state."""
         for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            elif isinstance(module, nn.LayerNorm):
-                if module.weight is not None:
-                    nn.init.ones_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+            init_weights(module)
 
     @property
     def weights_tied(self) -> bool:

@@ -187,7 +187,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--ckpt-out", default=None, help="save a checkpoint here at the end (trainer.save_checkpoint)"
     )
-    p.add_argument("--resume", default=None, help="checkpoint to resume from (fit's ckpt_path)")
+    p.add_argument(
+        "--resume", default=None, help="checkpoint file or sharded directory to resume from (fit's ckpt_path)"
+    )
+    p.add_argument(
+        "--state-dict-type",
+        choices=["full", "sharded"],
+        default="full",
+        help="flatshard only: what --ckpt-out writes, one consolidated file or a directory every rank writes",
+    )
     p.add_argument(
         "--wrap",
         choices=["block", "none"],
@@ -205,8 +213,11 @@ def make_strategy(args: argparse.Namespace) -> Any:
         raise ImportError(
             f"--strategy {args.strategy} needs the flatshard package"
         ) from _FLATSHARD_IMPORT_ERROR
-    if args.strategy == "flatshard" and args.wrap == "block":
-        return flatshard.FlatShardStrategy(auto_wrap_policy={Block})
+    if args.strategy == "flatshard":
+        policy = {Block} if args.wrap == "block" else None
+        return flatshard.FlatShardStrategy(auto_wrap_policy=policy, state_dict_type=args.state_dict_type)
+    if args.state_dict_type != "full":
+        raise ValueError(f"--state-dict-type {args.state_dict_type} needs --strategy flatshard")
     return args.strategy
 
 

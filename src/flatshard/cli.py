@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -139,7 +140,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.command == "inspect":
-        return _inspect(args.checkpoint, args.all)
+        try:
+            return _inspect(args.checkpoint, args.all)
+        except BrokenPipeError:  # ``flatshard inspect X | head``: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+            return 0
     if args.command == "consolidate":
         return _consolidate(args.src, args.out)
     return 2  # pragma: no cover - argparse rejects unknown commands
