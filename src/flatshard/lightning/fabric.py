@@ -83,7 +83,8 @@ class _NoSyncControl(_BackwardSyncControl):
 
 
 class FlatShardFabricStrategy(ParallelStrategy):
-    """Fabric counterpart of :class:`flatshard.FlatShardStrategy` (same arguments)."""
+    """Fabric counterpart of :class:`flatshard.FlatShardStrategy`: the same arguments except
+    ``grad_accumulation`` (a Fabric loop chooses per backward with ``fabric.no_backward_sync(model)``)."""
 
     def __init__(
         self,

@@ -79,7 +79,8 @@ class FlatShardStrategy(ParallelStrategy):
     Arguments mirror Lightning's ``FSDPStrategy`` so that migrating is a one-word change.
 
     Args:
-        sharding_strategy: ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"``, ``"NO_SHARD"``, or the enum.
+        sharding_strategy: ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"``, ``"NO_SHARD"``, ``"HYBRID_SHARD"``,
+            ``"HYBRID_SHARD_ZERO2"``, or the enum.
         auto_wrap_policy: which submodules become units: a set/list of module classes (or import paths),
             an int (minimum parameters per unit), or a callable ``(module, recurse, nonwrapped_numel)``.
             Default: ``None`` (the whole model is one unit).
