@@ -4,36 +4,19 @@ on 3 processes)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from ..scripts import run_script
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    for key in (
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "NODE_RANK",
-    ):
-        env.pop(key, None)
-    return env
-
-
 def _run(args: list[str], cwd: Path) -> str:
-    done = subprocess.run(args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, f"{args}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-    return done.stdout
+    return run_script(args, cwd, timeout=400).stdout
 
 
 @pytest.mark.timeout(600)

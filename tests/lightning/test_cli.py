@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,28 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from ..scripts import run_script
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "cli" / "train.py"
 CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    for key in (
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "NODE_RANK",
-    ):
-        env.pop(key, None)
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, f"{args}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done
+    return run_script([sys.executable, str(SCRIPT), *args], cwd, timeout=240)
 
 
 def _checkpoint(root: Path) -> Path:

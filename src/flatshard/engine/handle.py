@@ -186,7 +186,7 @@ class FlatParamHandle:
         self._trainable: list[int] = [i for i, r in enumerate(self.requires_grad) if r]
         self.any_requires_grad = any(self.requires_grad)
         self.all_require_grad = all(self.requires_grad)
-        lo, hi = (
+        lo, hi = (  # this rank's range of the flat parameter
             self.layout.shard_range(self.shard_rank)
             if self.shard_world > 1
             else (0, self.layout.padded_numel)
@@ -206,7 +206,6 @@ class FlatParamHandle:
         self.offload = offload
         self.shard_device = torch.device("cpu") if offload else device
         if offload:  # see [Note: CPU offload]
-            lo, hi = self.layout.shard_range(self.shard_rank) if self.shard_world > 1 else (0, full.numel())
             pin = device.type == "cuda" and torch.cuda.is_available()
             self._sharded: torch.Tensor = torch.empty(hi - lo, dtype=self.dtype, pin_memory=pin)
             self._sharded.copy_(full[lo:hi])
@@ -214,7 +213,6 @@ class FlatParamHandle:
         elif self.shard_world == 1:
             self._sharded = full  # 1-D, padded_numel == total_numel
         else:
-            lo, hi = self.layout.shard_range(self.shard_rank)
             if device.type == "cpu":
                 # The shard lives as long as the model: a mapping of its own (for large shards) keeps it
                 # from pinning heap memory that the transient full tensors of later units would reuse.

@@ -380,15 +380,16 @@ class FlatShardFabricStrategy(ParallelStrategy):
         """The state as the sharded format stores it (see [Note: sharded checkpoint layout])."""
         name, module, optimizers = self._split_state(state)
         assert module is not None
+        names = [n for n, _ in optimizers]
         extra = {
             k: (v.state_dict() if hasattr(v, "state_dict") else v)
             for k, v in state.items()
-            if k != name and k not in {n for n, _ in optimizers}
+            if k != name and k not in names
         }
         return {
             "state_dict": sharded_model_state_dict(module),
             "optimizer_states": [sharded_optim_state_dict(module, opt) for _, opt in optimizers],
-            _FABRIC_NAMES: {"module": name, "optimizers": [n for n, _ in optimizers]},
+            _FABRIC_NAMES: {"module": name, "optimizers": names},
             **extra,
         }
 
@@ -403,6 +404,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
             load_optimizer_states=bool(optimizers),
         )
         saved = rest.pop(_FABRIC_NAMES, {})
+        handled = {name, *(n for n, _ in optimizers)}  # entries load_into has filled
         if optimizers and saved.get("optimizers") not in (None, [n for n, _ in optimizers]):
             log.warning(
                 "flatshard: optimizers were saved as %s and loaded into %s, matched by position.",
@@ -411,13 +413,13 @@ class FlatShardFabricStrategy(ParallelStrategy):
             )
         if not isinstance(state, dict):
             return rest
-        missing = [k for k in state if k != name and k not in {n for n, _ in optimizers} and k not in rest]
+        missing = [k for k in state if k not in handled and k not in rest]
         if strict and missing:
             raise KeyError(
                 f"Checkpoint {path} has no entries {missing}. HINT: pass strict=False to skip them."
             )
         for key in list(state):
-            if key == name or key in {n for n, _ in optimizers} or key not in rest:
+            if key in handled or key not in rest:
                 continue
             obj = state[key]
             if hasattr(obj, "load_state_dict") and hasattr(obj, "state_dict"):
