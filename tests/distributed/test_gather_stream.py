@@ -59,14 +59,14 @@ def _items(rank: int, world: int) -> tuple[list[gather.GatherItem], list[dict[in
 def _run(rank: int, world: int, keep_all: bool, chunk_bytes: int, sabotage: str) -> dict[str, object]:
     torch.set_num_threads(1)
     if sabotage == "peer_cannot_map" and rank == 0:
-        real_init = gather._Segment.__init__
+        real_init = gather.Segment.__init__
 
-        def init(self: gather._Segment, path: str, nbytes: int, create: bool) -> None:
+        def init(self: gather.Segment, path: str, nbytes: int, create: bool) -> None:
             if not create:
                 raise OSError("sabotaged: cannot map a peer's segment")
             real_init(self, path, nbytes, create)
 
-        gather._Segment.__init__ = init  # type: ignore[method-assign]
+        gather.Segment.__init__ = init  # type: ignore[method-assign]
     used: list[str] = []
     real_open = gather.FlatStream._open
 

@@ -8,6 +8,8 @@ Quirks handled here:
 - gloo has no AVG reduction: reductions are SUM and the caller divides (``divide_factor``).
 - older torch builds lack gloo ``reduce_scatter_tensor``: fall back to all-reduce + local slice.
 - newer torch builds rename ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``*_single``.
+- CPU tensors of ranks on one host go through shared memory instead of the backend (see
+  [Note: shared-memory collectives] in :mod:`flatshard.engine.shm`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from flatshard.engine import shm
 
 __all__ = [
     "Pending",
@@ -55,6 +59,21 @@ def _group_size(group: ProcessGroup | None) -> int:
     return int(dist.get_world_size(group))
 
 
+def _shm_for(group: ProcessGroup | None, *tensors: torch.Tensor) -> shm.ShmGroup | None:
+    """The group's shared-memory transport if these tensors can use it (CPU, contiguous, known dtype)."""
+    for t in tensors:
+        if t.device.type != "cpu" or not t.is_contiguous() or t.dtype not in shm.DTYPES:
+            return None
+    return shm.shm_group(group)
+
+
+def _issued(output: torch.Tensor, work: Any, async_op: bool) -> Pending:
+    if not async_op:
+        work.wait()
+        return Pending(output, None)
+    return Pending(output, work)
+
+
 def all_gather_flat(
     output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None, async_op: bool = True
 ) -> Pending:
@@ -65,6 +84,9 @@ def all_gather_flat(
             f"{shard.numel()} x {_group_size(group)}."
         )
     comm_stats["all_gather"] += shard.numel() * shard.element_size()
+    channel = _shm_for(group, output, shard)
+    if channel is not None:
+        return _issued(output, channel.all_gather(output, shard), async_op)
     work = _all_gather_base(output, shard, group=group, async_op=async_op)
     return Pending(output, work if async_op else None)
 
@@ -82,6 +104,9 @@ def reduce_scatter_flat(
             f"reduce_scatter_flat: input has {full.numel()} elements, expected {output.numel()} x {world}."
         )
     comm_stats["reduce_scatter"] += full.numel() * full.element_size()
+    channel = _shm_for(group, output, full)
+    if channel is not None:
+        return _issued(output, channel.reduce_scatter(output, full), async_op)
     backend = str(dist.get_backend(group))
     if backend not in _NO_NATIVE_REDUCE_SCATTER:
         try:
@@ -101,5 +126,8 @@ def reduce_scatter_flat(
 def all_reduce_flat(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool = True) -> Pending:
     """Sum ``tensor`` over ``group`` in place."""
     comm_stats["all_reduce"] += tensor.numel() * tensor.element_size()
+    channel = _shm_for(group, tensor)
+    if channel is not None:
+        return _issued(tensor, channel.all_reduce(tensor), async_op)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return Pending(tensor, work if async_op else None)

@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import mmap
 import os
-import socket
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +43,7 @@ import torch.distributed as dist
 
 from flatshard.engine.flat_param import FlatLayout
 from flatshard.engine.memory import Prefaulter, empty_mapped
+from flatshard.engine.shm import Segment, host_key
 
 __all__ = [
     "FlatStream",
@@ -61,47 +60,6 @@ ProcessGroup = Any
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 _SHM_DIR = "/dev/shm"
-
-
-def _host_key() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
-class _Segment:
-    """A shared-memory file mapped into this process (created by its owner, opened by peers)."""
-
-    def __init__(self, path: str, nbytes: int, create: bool) -> None:
-        self.path = path
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                # Reserve the space now: a full tmpfs then fails here, not with SIGBUS on first write.
-                os.posix_fallocate(fd, 0, nbytes)
-            self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            if create:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-            raise
-        os.close(fd)
-        self.bytes: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
-
-    def slot(self, index: int, slot_bytes: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        assert self.bytes is not None
-        start = index * slot_bytes
-        return self.bytes[start : start + numel * dtype.itemsize].view(dtype)
-
-    def close(self) -> None:
-        self.bytes = None
-        with contextlib.suppress(BufferError):  # a view still alive: the map goes with it
-            self._map.close()
 
 
 class FlatStream:
@@ -125,8 +83,8 @@ class FlatStream:
         self.keep = keep
         self.keepers: list[int] = [self.rank] if keep else []
         self.transport = "local"
-        self._segments: dict[int, _Segment] = {}
-        self._own: _Segment | None = None
+        self._segments: dict[int, Segment] = {}
+        self._own: Segment | None = None
         self._step = 0
         self._send: torch.Tensor | None = None
         self._recv: torch.Tensor | None = None
@@ -145,10 +103,10 @@ class FlatStream:
         ):
             own_path = os.path.join(_SHM_DIR, f"flatshard-{uuid.uuid4().hex}")
             try:
-                self._own = _Segment(own_path, 2 * self.chunk_bytes, create=True)
+                self._own = Segment(own_path, 2 * self.chunk_bytes, create=True)
             except (OSError, ValueError, RuntimeError) as err:
                 own_path, error = None, f"{type(err).__name__}: {err}"
-        mine = {"host": _host_key(), "keep": self.keep, "path": own_path, "error": error}
+        mine = {"host": host_key(), "keep": self.keep, "path": own_path, "error": error}
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, mine, group=self.group)
         self.keepers = [r for r, info in enumerate(everyone) if info["keep"]]
@@ -159,7 +117,7 @@ class FlatStream:
             try:
                 for r, info in enumerate(everyone):
                     if r != self.rank:
-                        self._segments[r] = _Segment(info["path"], 2 * self.chunk_bytes, create=False)
+                        self._segments[r] = Segment(info["path"], 2 * self.chunk_bytes, create=False)
             except (OSError, ValueError, RuntimeError):
                 opened = 0
         if usable:

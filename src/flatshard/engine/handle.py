@@ -89,19 +89,6 @@ class HandleState(enum.Enum):
     UNSHARDED = "unsharded"  # the flat parameter is gathered; modules hold views into it
 
 
-def _alloc_storage(t: torch.Tensor) -> None:
-    nbytes = t.numel() * t.element_size()
-    storage = t.untyped_storage()
-    if storage.size() != nbytes:
-        storage.resize_(nbytes)
-
-
-def _free_storage(t: torch.Tensor) -> None:
-    storage = t.untyped_storage()
-    if storage.size() != 0:
-        storage.resize_(0)
-
-
 def _set_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
     """``param.grad = grad``, also for a gradient kept in a lower precision than the parameter.
 
@@ -230,7 +217,7 @@ class FlatParamHandle:
             self._gather: torch.Tensor = self._sharded
         else:
             self._gather = torch.empty(self.layout.padded_numel, dtype=compute, device=device)
-            _free_storage(self._gather)
+            memory.free_storage(self._gather)
         self._flat: torch.Tensor = torch.empty(0, dtype=compute, device=device)
         self._flat.data = self._gather
         self._flat.requires_grad_(self.any_requires_grad)
@@ -311,8 +298,7 @@ class FlatParamHandle:
             return
         if limiter is not None and self.shard_world > 1:
             limiter.before_all_gather()  # see [Note: rate limiter]
-        _alloc_storage(self._gather)  # on the compute stream
-        memory.advise_hugepages(self._gather)
+        memory.alloc_storage(self._gather)  # on the compute stream
         cuda = streams is not None and streams.is_cuda
         if self.shard_world == 1:  # one rank, mixed precision: the cast is the whole "gather"
             self._gather.copy_(self._sharded)
@@ -321,7 +307,7 @@ class FlatParamHandle:
         cast_done = None
         if self.precision.mixed or self.offload:
             # all-gather a copy of the shard on the compute device, in the compute dtype, made on pre_unshard
-            source = torch.empty(self._sharded.numel(), dtype=self._gather.dtype, device=self.device)
+            source = memory.empty_flat(self._sharded.numel(), self._gather.dtype, self.device)
             if cuda:
                 assert streams is not None
                 streams.side_waits_compute(streams.pre_unshard)
@@ -359,7 +345,7 @@ class FlatParamHandle:
         self.wait_unshard(streams)  # never free a buffer a collective may still write (unused prefetch)
         self.use_sharded_views()
         if not self._gather_is_shard:
-            _free_storage(self._gather)
+            memory.free_storage(self._gather)
             if limiter is not None and streams is not None and self.shard_world > 1:
                 limiter.record_free(streams.record)
         self.state = HandleState.SHARDED

@@ -25,7 +25,7 @@ import threading
 
 import torch
 
-__all__ = ["Prefaulter", "advise_hugepages", "empty_flat", "empty_mapped"]
+__all__ = ["Prefaulter", "advise_hugepages", "alloc_storage", "empty_flat", "empty_mapped", "free_storage"]
 
 _MADV_HUGEPAGE = 14  # linux/mman.h
 _MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux >= 5.14
@@ -80,10 +80,51 @@ def advise_hugepages(t: torch.Tensor) -> None:
 
 
 def empty_flat(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.empty(numel)`` with huge pages requested for large CPU blocks."""
-    t = torch.empty(numel, dtype=dtype, device=device)
+    """``torch.empty(numel)``; a large CPU block is a mapping of its own, with huge pages requested."""
+    if device.type == "cpu" and _MAP_TRANSIENT and numel * dtype.itemsize >= _MIN_BYTES:
+        t = empty_mapped((numel,), dtype)
+    else:
+        t = torch.empty(numel, dtype=dtype, device=device)
     advise_hugepages(t)
     return t
+
+
+_MAP_TRANSIENT = sys.platform.startswith("linux")
+_CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+def alloc_storage(t: torch.Tensor) -> None:
+    """Give ``t`` (whose storage was freed with :func:`free_storage`) storage for all its elements again."""
+    nbytes = t.numel() * t.element_size()
+    storage = t.untyped_storage()
+    if storage.nbytes() == nbytes:
+        return
+    if (
+        t.device.type == "cpu"
+        and _MAP_TRANSIENT
+        and _CAN_SWAP
+        and nbytes >= _MIN_BYTES
+        and storage.nbytes() == 0
+    ):
+        fresh = empty_mapped((nbytes,), torch.uint8).untyped_storage()
+        storage._swap_data_ptr_(fresh)  # type: ignore[attr-defined]  # the StorageImpl (and every view of it) now uses the mapping
+        advise_hugepages(t)
+        return
+    storage.resize_(nbytes)
+    advise_hugepages(t)
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Release ``t``'s storage, keeping the storage object (views saved by autograd keep pointing at it)."""
+    storage = t.untyped_storage()
+    if storage.nbytes() == 0:
+        return
+    if not storage.resizable():  # a mapping put there by alloc_storage
+        empty = torch.UntypedStorage(0, device=t.device)
+        storage._swap_data_ptr_(empty)  # type: ignore[attr-defined]
+        del empty  # unmaps
+        return
+    storage.resize_(0)
 
 
 def empty_mapped(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

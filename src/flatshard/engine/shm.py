@@ -1,0 +1,470 @@
+"""Collectives over shared memory for CPU ranks of one host.
+
+[Note: shared-memory collectives]
+On CPU, gloo moves a collective's bytes through loopback TCP: the kernel copies them in and out of
+socket buffers, gloo's all-gather stages the result in a temporary the size of the output and copies
+it again, and all of it runs on CPU cores that the ranks' compute needs. Measured on the 2-core
+machine of ``docs/benchmarks.md``, a 48 MiB all-gather over 2 ranks took 59 ms and 44 ms of CPU time,
+where copying 48 MiB takes 6 ms. When every rank of a group runs on one host, flatshard's own
+transport replaces it for the flat collectives of a training step (all-gather, reduce-scatter,
+all-reduce of CPU tensors):
+
+* Each rank owns a small segment in ``/dev/shm`` (a header page and two slots of ``slot_bytes``) that
+  every peer maps. A collective runs in *steps* of at most one slot per rank: a rank writes its part
+  into its slot ``step % 2``, publishes ``step`` in its header, waits until every peer published it,
+  then reads the peers' slots straight into its output (or adds them into its slice). Each byte is
+  copied once into shared memory and once out; nothing is allocated.
+* A rank rewrites slot ``s`` two steps later, after every peer published the step in between, which
+  no peer does before it has read slot ``s``: two slots pipeline without a second wait per step.
+* Waiting is a futex on the peer's published counter (shared mappings make it a cross-process
+  futex): a sleeping rank costs no CPU and wakes within microseconds of the publish.
+* The steps run on one worker thread per group, in the order the collectives were issued (the same
+  order on every rank, as for any collective); :class:`ShmWork` is the handle, so the next unit's
+  all-gather and the previous unit's reduce-scatter overlap compute just as gloo's async work does.
+* Each slot's header records the collective, its size and dtype: ranks that issued different
+  collectives get an error naming both, not corrupt data.
+* A peer that exited or stopped publishing is reported (rank, pid, collective) instead of a hang:
+  waits wake every half second to check that every peer process is alive, and give up after
+  ``timeout`` seconds.
+
+The transport is agreed on once per group by all its ranks (one object collective on first use), so
+a rank that cannot create or map a segment makes every rank use gloo, never hang. Segments are
+unlinked as soon as every peer has mapped them. Used on Linux x86-64 only (its stores are ordered,
+so a published counter implies the slot's bytes are visible); elsewhere, for several hosts, or with
+``FLATSHARD_SHM=0``, collectives go to the process group's backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import functools
+import mmap
+import os
+import platform
+import queue
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DTYPES", "Segment", "ShmGroup", "ShmWork", "host_key", "shm_group"]
+
+ProcessGroup = Any
+
+_SHM_DIR = "/dev/shm"
+_HEADER = 4096  # bytes before the slots: the published counter and one record per slot
+_SEQ_OFFSET = 0  # int32: the last step this rank published
+_SLOT_RECORD = (64, 128)  # int64[3] per slot: collective code, numel, dtype index
+DEFAULT_SLOT_BYTES = 2 << 20
+DEFAULT_TIMEOUT_S = 1800.0
+
+_SYS_FUTEX = 202  # x86-64
+_FUTEX_WAIT = 0
+_FUTEX_WAKE = 1
+_POLL_S = 0.5
+
+_OPS = ("all_gather", "reduce_scatter", "all_reduce")
+DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+
+
+def host_key() -> str:
+    """Identifies this host (and boot): ranks with equal keys can share memory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+class Segment:
+    """A shared-memory file mapped into this process (created by its owner, opened by peers)."""
+
+    def __init__(self, path: str, nbytes: int, create: bool) -> None:
+        self.path = path
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                # Reserve the space now: a full tmpfs then fails here, not with SIGBUS on first write.
+                os.posix_fallocate(fd, 0, nbytes)
+            self._map: mmap.mmap | None = mmap.mmap(
+                fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+            )
+        except BaseException:
+            os.close(fd)
+            if create:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            raise
+        os.close(fd)
+        self.bytes: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def slot(self, index: int, slot_bytes: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        assert self.bytes is not None
+        start = index * slot_bytes
+        return self.bytes[start : start + numel * dtype.itemsize].view(dtype)
+
+    def int32(self, offset: int) -> ctypes.c_int32:
+        assert self._map is not None
+        return ctypes.c_int32.from_buffer(self._map, offset)
+
+    def int64s(self, offset: int, n: int) -> Any:
+        assert self._map is not None
+        return (ctypes.c_int64 * n).from_buffer(self._map, offset)
+
+    def close(self) -> None:
+        self.bytes = None
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a view still alive: the map goes with it
+                self._map.close()
+
+
+@functools.cache
+def _futex() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    fn = libc.syscall
+    # syscall(SYS_futex, uaddr, op, val, timeout, uaddr2, val3)
+    fn.argtypes = [
+        ctypes.c_long,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+    ]
+    fn.restype = ctypes.c_long
+    return fn  # type: ignore[no-any-return]
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_POLL = _Timespec(int(_POLL_S), int((_POLL_S % 1) * 1e9))
+
+
+class ShmWork:
+    """The handle of a collective issued to a :class:`ShmGroup` (``wait()`` like a c10d ``Work``)."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+
+class ShmGroup:
+    """Flat collectives among the ranks of ``group``, all on this host; see [Note: shared-memory
+    collectives]. Build it with :func:`shm_group` (collective), not directly."""
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        own: Segment,
+        peers: dict[int, Segment],
+        pids: list[int],
+        global_ranks: list[int],
+        slot_bytes: int,
+        timeout: float,
+    ) -> None:
+        self.rank = rank
+        self.world = world
+        self.slot_bytes = slot_bytes
+        self.timeout = timeout
+        self._segments = {rank: own, **peers}
+        self._pids = pids
+        self._global_ranks = global_ranks
+        self._seq = {r: seg.int32(_SEQ_OFFSET) for r, seg in self._segments.items()}
+        self._records = {
+            r: tuple(seg.int64s(off, 3) for off in _SLOT_RECORD) for r, seg in self._segments.items()
+        }
+        self._step = 0
+        self._futex = _futex()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._broken: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="flatshard-shm", daemon=True)
+        self._thread.start()
+
+    # -- issuing -----------------------------------------------------------------------------------
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> ShmWork:
+        """Every rank's ``shard`` into ``output`` (1-D, ``world * len(shard)`` elements), in rank order."""
+        return self._issue(self._all_gather, output, shard)
+
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> ShmWork:
+        """The sum over ranks of slice ``rank`` of ``full`` into ``output`` (``len(full) = world * len(output)``)."""
+        return self._issue(self._reduce_scatter, output, full)
+
+    def all_reduce(self, tensor: torch.Tensor) -> ShmWork:
+        """The sum over ranks of ``tensor``, in place (every rank adds in rank order: equal results)."""
+        return self._issue(self._all_reduce, tensor)
+
+    def _issue(self, fn: Callable[..., None], *tensors: torch.Tensor) -> ShmWork:
+        work = ShmWork()
+        if self._broken is not None:  # an earlier collective failed: the ranks are out of step
+            work._finish(RuntimeError(f"flatshard shared-memory collectives stopped: {self._broken}"))
+            return work
+        self._queue.put((fn, tensors, work))
+        return work
+
+    def _run(self) -> None:
+        while True:
+            fn, tensors, work = self._queue.get()
+            if self._broken is not None:
+                work._finish(RuntimeError(f"flatshard shared-memory collectives stopped: {self._broken}"))
+                continue
+            try:
+                fn(*tensors)
+            except BaseException as err:  # reported to the waiter, and to every later collective
+                self._broken = err
+                work._finish(err)
+            else:
+                work._finish()
+            del fn, tensors, work  # no reference outlives the collective
+
+    # -- steps -------------------------------------------------------------------------------------
+
+    def _mine(self, slot: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._at(self.rank, slot, offset, numel, dtype)
+
+    def _at(self, r: int, slot: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        seg = self._segments[r]
+        assert seg.bytes is not None
+        start = _HEADER + slot * self.slot_bytes + offset
+        return seg.bytes[start : start + numel * dtype.itemsize].view(dtype)
+
+    def _begin(self) -> int:
+        """The slot of the next step."""
+        return self._step % 2
+
+    def _publish_and_wait(self, op: int, numel: int, dtype: torch.dtype) -> None:
+        """Record this step's collective, publish the step, wait for every peer to publish it."""
+        slot = self._step % 2
+        self._step += 1
+        target = self._step & 0xFFFFFFFF
+        record = self._records[self.rank][slot]
+        record[0], record[1], record[2] = op, numel, DTYPES.index(dtype)
+        seq = self._seq[self.rank]
+        seq.value = target if target < 0x80000000 else target - 0x100000000
+        if self._futex is not None:
+            self._futex(_SYS_FUTEX, ctypes.addressof(seq), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+        for r in range(self.world):
+            if r != self.rank:
+                self._wait_for(r, target, op, numel, dtype)
+                theirs = tuple(self._records[r][slot])
+                if theirs != (op, numel, DTYPES.index(dtype)):
+                    raise RuntimeError(self._mismatch(r, theirs, op, numel, dtype))
+
+    def _wait_for(self, r: int, target: int, op: int, numel: int, dtype: torch.dtype) -> None:
+        word = self._seq[r]
+        start = time.monotonic()
+        while True:
+            value = word.value & 0xFFFFFFFF
+            if (value - target) & 0xFFFFFFFF < 0x80000000:  # value >= target, modulo 2**32
+                return
+            if self._futex is not None:
+                observed = value if value < 0x80000000 else value - 0x100000000
+                rc = self._futex(
+                    _SYS_FUTEX, ctypes.addressof(word), _FUTEX_WAIT, observed, ctypes.byref(_POLL), None, 0
+                )
+                err = ctypes.get_errno() if rc != 0 else 0
+                if err not in (0, errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR):
+                    raise OSError(err, f"futex wait failed: {os.strerror(err)}")
+            else:  # pragma: no cover - the transport is only enabled where futexes are available
+                time.sleep(0.0005)
+            if (word.value & 0xFFFFFFFF) == value:
+                self._check_peer(r, start, op, numel, dtype)
+
+    def _check_peer(self, r: int, start: float, op: int, numel: int, dtype: torch.dtype) -> None:
+        what = f"{_OPS[op]} of {numel} {dtype} elements per rank"
+        try:
+            os.kill(self._pids[r], 0)
+        except ProcessLookupError:
+            raise RuntimeError(
+                f"[rank {self._global_ranks[self.rank]}] rank {self._global_ranks[r]} (pid {self._pids[r]}) "
+                f"exited during a shared-memory {what}. HINT: see that rank's output for its error."
+            ) from None
+        except PermissionError:
+            pass
+        if time.monotonic() - start > self.timeout:
+            raise RuntimeError(
+                f"[rank {self._global_ranks[self.rank]}] waited {self.timeout:.0f} s for rank "
+                f"{self._global_ranks[r]} in a shared-memory {what}. HINT: every rank must issue the same "
+                "collectives in the same order; a rank stuck elsewhere (data loading, a different code "
+                "path) stalls the others."
+            )
+
+    def _mismatch(self, r: int, theirs: tuple[int, ...], op: int, numel: int, dtype: torch.dtype) -> str:
+        def describe(code: int, n: int, d: int) -> str:
+            name = _OPS[code] if 0 <= code < len(_OPS) else f"collective #{code}"
+            dt = DTYPES[d] if 0 <= d < len(DTYPES) else f"dtype #{d}"
+            return f"{name} step of {n} {dt} elements"
+
+        return (
+            f"[rank {self._global_ranks[self.rank]}] ranks issued different collectives: this rank a "
+            f"{describe(op, numel, DTYPES.index(dtype))}, rank {self._global_ranks[r]} a "
+            f"{describe(*theirs)}. HINT: every rank must run the same units in the same order (the same "
+            "forward code path and the same number of forward/backward calls)."
+        )
+
+    def _per_step(self, dtype: torch.dtype, parts: int = 1) -> int:
+        """Elements one rank sends in a step, split in ``parts`` equal, 64-byte aligned parts."""
+        per_part = (self.slot_bytes // parts) // 64 * 64
+        return max(1, per_part // dtype.itemsize)
+
+    def _all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
+        n, dtype = shard.numel(), shard.dtype
+        output[self.rank * n : (self.rank + 1) * n].copy_(shard)
+        per = self._per_step(dtype)
+        for c0 in range(0, n, per):
+            c1 = min(n, c0 + per)
+            slot = self._begin()
+            self._mine(slot, 0, c1 - c0, dtype).copy_(shard[c0:c1])
+            self._publish_and_wait(0, n, dtype)
+            for r in range(self.world):
+                if r != self.rank:
+                    output[r * n + c0 : r * n + c1].copy_(self._at(r, slot, 0, c1 - c0, dtype))
+
+    def _reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> None:
+        n, dtype, world, me = output.numel(), output.dtype, self.world, self.rank
+        per = self._per_step(dtype, world)
+        part = per * dtype.itemsize  # bytes of the part of a slot meant for one destination
+        for c0 in range(0, n, per):
+            c1 = min(n, c0 + per)
+            m = c1 - c0
+            slot = self._begin()
+            for r in range(world):
+                if r != me:
+                    self._mine(slot, r * part, m, dtype).copy_(full[r * n + c0 : r * n + c1])
+            self._publish_and_wait(1, n, dtype)
+            out = output[c0:c1]
+            for r in range(world):  # rank order on every rank
+                term = full[me * n + c0 : me * n + c1] if r == me else self._at(r, slot, me * part, m, dtype)
+                if r == 0:
+                    out.copy_(term)
+                else:
+                    out.add_(term)
+
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
+        n, dtype = tensor.numel(), tensor.dtype
+        per = self._per_step(dtype)
+        for c0 in range(0, n, per):
+            c1 = min(n, c0 + per)
+            slot = self._begin()
+            self._mine(slot, 0, c1 - c0, dtype).copy_(tensor[c0:c1])
+            self._publish_and_wait(2, n, dtype)
+            out = tensor[c0:c1]
+            for r in range(self.world):  # every rank adds the same values in the same order
+                term = self._at(r, slot, 0, c1 - c0, dtype)
+                if r == 0:
+                    out.copy_(term)
+                else:
+                    out.add_(term)
+
+
+# One entry per process group seen: its ShmGroup, or None where the backend's collectives are used.
+_GROUPS: dict[int, tuple[Any, ShmGroup | None]] = {}
+_LOCK = threading.Lock()
+
+
+def shm_group(group: ProcessGroup | None, slot_bytes: int | None = None) -> ShmGroup | None:
+    """The shared-memory transport of ``group`` (``None``: the default group), set up on first use.
+
+    Collective on first call for a group: every rank of the group must call it at the same point (it
+    is called from the first flat collective on the group, which every rank issues). Returns ``None``
+    where the group's backend must be used (see [Note: shared-memory collectives]).
+    """
+    key = id(group) if group is not None else id(dist.group.WORLD)
+    entry = _GROUPS.get(key)
+    if entry is not None and entry[0] is (group if group is not None else dist.group.WORLD):
+        return entry[1]
+    with _LOCK:
+        made = _setup(group, slot_bytes or DEFAULT_SLOT_BYTES)
+        _GROUPS[key] = (group if group is not None else dist.group.WORLD, made)
+    return made
+
+
+def _setup(group: ProcessGroup | None, slot_bytes: int) -> ShmGroup | None:
+    world = dist.get_world_size(group)
+    if world == 1 or os.environ.get("FLATSHARD_SHM", "1") == "0" or _futex() is None:
+        return None  # the same answer on every rank of a host: no agreement needed for these
+    if not os.path.isdir(_SHM_DIR):
+        return None
+    rank = dist.get_rank(group)
+    nbytes = _HEADER + 2 * slot_bytes
+    path: str | None = os.path.join(_SHM_DIR, f"flatshard-comm-{uuid.uuid4().hex}")
+    own: Segment | None = None
+    error = ""
+    try:
+        assert path is not None
+        own = Segment(path, nbytes, create=True)
+    except (OSError, ValueError, RuntimeError) as err:
+        path, error = None, f"{type(err).__name__}: {err}"
+    mine = {"host": host_key(), "path": path, "pid": os.getpid(), "error": error}
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine, group=group)
+    usable = all(info["path"] for info in everyone) and len({info["host"] for info in everyone}) == 1
+    peers: dict[int, Segment] = {}
+    if usable:
+        try:
+            for r, info in enumerate(everyone):
+                if r != rank:
+                    peers[r] = Segment(info["path"], nbytes, create=False)
+        except (OSError, ValueError, RuntimeError):
+            usable = False
+        flag = torch.tensor([int(usable)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        usable = bool(flag.item())
+    if path is not None:  # every peer has mapped it (or gave up): the name is no longer needed
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    if not usable or own is None:
+        for seg in peers.values():
+            seg.close()
+        if own is not None:
+            own.close()
+        return None
+    pg = group if group is not None else dist.group.WORLD
+    assert pg is not None
+    global_ranks = [dist.get_global_rank(pg, r) for r in range(world)]
+    pids = [info["pid"] for info in everyone]
+    return ShmGroup(rank, world, own, peers, pids, global_ranks, slot_bytes, DEFAULT_TIMEOUT_S)

@@ -1,0 +1,108 @@
+"""The shared-memory transport between real ranks: chosen when it can be, the same training as gloo,
+and every rank falls back together when one cannot use it."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import flatshard
+from flatshard.engine import comm, shm
+from flatshard.testing import spawn
+from flatshard.testing.models import Block, TinyGPT, make_batch
+
+pytestmark = pytest.mark.skipif(shm._futex() is None, reason="the transport needs Linux x86-64")
+
+STEPS = 3
+PER_RANK = 2
+
+
+def _train(model: torch.nn.Module, rank: int, world: int, local: bool) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        x, y = make_batch(step, PER_RANK * world)
+        if not local:
+            x, y = x[rank * PER_RANK : (rank + 1) * PER_RANK], y[rank * PER_RANK : (rank + 1) * PER_RANK]
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _run_both_transports(rank: int, world: int, strategy: str) -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    reference = TinyGPT(n_layer=2)
+    everyone = list(range(world))
+    shm_pg = dist.new_group(everyone, backend="gloo")
+    gloo_pg = dist.new_group(everyone, backend="gloo")
+    # The transport is chosen when a group is first used (collectively): set both up here.
+    assert shm.shm_group(shm_pg) is not None
+    os.environ["FLATSHARD_SHM"] = "0"
+    assert shm.shm_group(gloo_pg) is None
+    del os.environ["FLATSHARD_SHM"]
+    models = {
+        name: flatshard.shard(
+            copy.deepcopy(reference), sharding_strategy=strategy, auto_wrap_policy={Block}, process_group=pg
+        )
+        for name, pg in (("shm", shm_pg), ("gloo", gloo_pg))
+    }
+    losses = {name: _train(m, rank, world, local=False) for name, m in models.items()}
+    ref_losses = _train(reference, rank, world, local=True)
+    torch.testing.assert_close(losses["shm"], losses["gloo"], rtol=1e-6, atol=1e-6)
+    mean = torch.tensor(losses["shm"])
+    dist.all_reduce(mean)  # the global batch's loss: the mean of equal-sized local batches
+    torch.testing.assert_close((mean / world).tolist(), ref_losses, rtol=1e-5, atol=1e-5)
+    with flatshard.unshard_params(models["shm"]), flatshard.unshard_params(models["gloo"]):
+        for (name, a), b, c in zip(
+            models["shm"].named_parameters(), models["gloo"].parameters(), reference.parameters(), strict=True
+        ):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(("world", "strategy"), [(2, "FULL_SHARD"), (3, "SHARD_GRAD_OP"), (2, "NO_SHARD")])
+def test_training_over_shared_memory_equals_gloo_and_the_unsharded_model(world: int, strategy: str) -> None:
+    spawn(_run_both_transports, world, strategy)
+
+
+def _run_fallback(rank: int, world: int, sabotage: str) -> bool:
+    torch.set_num_threads(1)
+    if sabotage == "cannot_create" and rank == 1:
+        real_init = shm.Segment.__init__
+
+        def init(self: shm.Segment, path: str, nbytes: int, create: bool) -> None:
+            if create:
+                raise OSError("sabotaged: no space in /dev/shm")
+            real_init(self, path, nbytes, create)
+
+        shm.Segment.__init__ = init  # type: ignore[method-assign]
+    if sabotage == "cannot_map" and rank == 0:
+        real_init = shm.Segment.__init__
+
+        def init(self: shm.Segment, path: str, nbytes: int, create: bool) -> None:
+            if not create:
+                raise OSError("sabotaged: cannot map a peer's segment")
+            real_init(self, path, nbytes, create)
+
+        shm.Segment.__init__ = init  # type: ignore[method-assign]
+    shard = torch.full((5,), float(rank))
+    out = torch.empty(5 * world)
+    comm.all_gather_flat(out, shard, None).wait()
+    assert torch.equal(out, torch.arange(world, dtype=torch.float32).repeat_interleave(5))
+    left = [f for f in os.listdir("/dev/shm") if f.startswith("flatshard-comm-")]
+    assert not left, left  # the names are unlinked once every peer mapped them (or gave up)
+    return shm.shm_group(None) is not None
+
+
+@pytest.mark.parametrize("sabotage", ["", "cannot_create", "cannot_map"])
+def test_every_rank_falls_back_to_gloo_together(sabotage: str) -> None:
+    used = spawn(_run_fallback, 3, sabotage)
+    assert used == [not sabotage] * 3
