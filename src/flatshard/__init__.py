@@ -1,8 +1,14 @@
 """flatshard: a sharded-training strategy for PyTorch Lightning with an engine of its own.
 
 ``import flatshard`` registers the strategy names (``"flatshard"``, ``"flatshard_grad_op"``,
-``"flatshard_hybrid"``, ``"flatshard_offload"``) with Lightning's Trainer and Fabric.
+``"flatshard_hybrid"``, ``"flatshard_offload"``) with Lightning's Trainer and Fabric, without importing
+Lightning (see [Note: registering without importing Lightning]); ``flatshard.FlatShardStrategy`` and
+``flatshard.FlatShardFabricStrategy`` import it when first used.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from flatshard.checkpoint import CheckpointError, consolidate, load_checkpoint, save_checkpoint
 from flatshard.engine import (
@@ -18,11 +24,23 @@ from flatshard.engine.api import get_state_dict, set_state_dict
 from flatshard.engine.clip import clip_grad_norm_
 from flatshard.engine.sharded_state import ParamShard
 from flatshard.engine.unshard import unshard_params
-from flatshard.lightning import FlatShardFabricStrategy, FlatShardStrategy, register
+from flatshard.registration import install as _install_registration
+
+if TYPE_CHECKING:
+    from flatshard.lightning import FlatShardFabricStrategy, FlatShardStrategy
 
 __version__ = "0.1.0"
 
-register()
+_install_registration()
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("FlatShardStrategy", "FlatShardFabricStrategy"):
+        from flatshard import lightning
+
+        return getattr(lightning, name)
+    raise AttributeError(f"module 'flatshard' has no attribute {name!r}")
+
 
 __all__ = [
     "BackwardPrefetch",

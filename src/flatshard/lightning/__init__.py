@@ -2,8 +2,8 @@
 
 from flatshard.lightning.fabric import FlatShardFabricStrategy
 from flatshard.lightning.precision import FlatShardGradScaler, FlatShardPrecision
-from flatshard.lightning.registry import register
 from flatshard.lightning.strategy import FlatShardStrategy
+from flatshard.registration import register
 
 __all__ = [
     "FlatShardFabricStrategy",

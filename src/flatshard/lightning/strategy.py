@@ -439,6 +439,6 @@ class FlatShardStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        from flatshard.lightning.registry import register_names
+        from flatshard.registration import register_names
 
         register_names(strategy_registry, cls)
