@@ -6,7 +6,8 @@ FULL_SHARD (one unit per ``Block``), create ``AdamW(lr=1e-4)`` and train ``--ste
 (``--batch-size`` sequences of ``--seq-len`` per rank). Per rank it records
 
 * **measured** = peak RSS during training (``VmHWM``, reset with ``clear_refs`` after setup) minus the RSS
-  right before the model is built (after imports, process-group init, making the batches, gc, a barrier);
+  right before the model is built (after imports, process-group init, making the batches, a one-parameter
+  AdamW step for the modules it imports on first use, gc, a barrier);
 * **theory** = (parameters + gradients + 2 AdamW states, fp32) / N (this rank's padded shard)
   + the largest unit unsharded (its parameters + its gradient; 0 at N = 1, where the shard *is* the
   unsharded unit) + the activations autograd saves for backward (counted with
@@ -112,6 +113,15 @@ def _phase_peak_kib() -> int:
     return peak
 
 
+def _warm_up_imports() -> None:
+    """Run what imports modules lazily on first use (an AdamW step imports ``torch._dynamo``: ~45 MiB of RSS
+    that any training process pays once, whatever the model or strategy), so the baseline includes it."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.AdamW([p], lr=1e-4)
+    (p * 2).sum().backward()
+    opt.step()
+
+
 def run(rank: int, world: int, cfg: dict[str, Any], count_activations: bool) -> dict[str, Any]:
     """Train one size on one rank; return RSS figures (KiB) and the model's unit sizes."""
     torch.set_num_threads(cfg["threads"])
@@ -122,6 +132,7 @@ def run(rank: int, world: int, cfg: dict[str, Any], count_activations: bool) -> 
     from flatshard.testing.activations import saved_activation_bytes
 
     batches = _make_batches(dict(cfg, warmup=0), rank, world, torch.device("cpu"))
+    _warm_up_imports()
     gc.collect()
     dist.barrier()
     libc = _libc()
@@ -518,7 +529,8 @@ def main(argv: list[str] | None = None) -> int:
         "allocators": {a: ALLOCATOR_LABELS[a] for a in allocators},
         "definitions": {
             "measured": "max over ranks of (VmHWM during training, reset with clear_refs after setup) - VmRSS "
-            "right before the model is built (after imports, process-group init, making the batches, "
+            "right before the model is built (after imports, process-group init, making the batches, a "
+            "one-parameter AdamW step (lazy imports), "
             "gc.collect() and a barrier)",
             "theory": "16 bytes x this rank's padded shard numel (params, grads, AdamW exp_avg and exp_avg_sq) "
             "+ 8 bytes x the largest unit's padded numel when N > 1 (its gathered parameters and unsharded "
