@@ -50,7 +50,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -272,10 +272,6 @@ class ShmGroup:
         start = _HEADER + slot * self.slot_bytes + offset
         return seg.bytes[start : start + numel * dtype.itemsize].view(dtype)
 
-    def _begin(self) -> int:
-        """The slot of the next step."""
-        return self._step % 2
-
     def _publish_and_wait(self, op: int, numel: int, dtype: torch.dtype) -> None:
         """Record this step's collective, publish the step, wait for every peer to publish it."""
         slot = self._step % 2
@@ -351,13 +347,15 @@ class ShmGroup:
         per_part = (self.slot_bytes // parts) // 64 * 64
         return max(1, per_part // dtype.itemsize)
 
+    def _steps(self, n: int, per: int) -> Iterator[tuple[int, int, int]]:
+        """``(start, end, slot)`` of each step that moves elements ``[0, n)``, ``per`` at a time."""
+        for c0 in range(0, n, per):
+            yield c0, min(n, c0 + per), self._step % 2
+
     def _all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
         n, dtype = shard.numel(), shard.dtype
         output[self.rank * n : (self.rank + 1) * n].copy_(shard)
-        per = self._per_step(dtype)
-        for c0 in range(0, n, per):
-            c1 = min(n, c0 + per)
-            slot = self._begin()
+        for c0, c1, slot in self._steps(n, self._per_step(dtype)):
             self._mine(slot, 0, c1 - c0, dtype).copy_(shard[c0:c1])
             self._publish_and_wait(0, n, dtype)
             for r in range(self.world):
@@ -368,37 +366,32 @@ class ShmGroup:
         n, dtype, world, me = output.numel(), output.dtype, self.world, self.rank
         per = self._per_step(dtype, world)
         part = per * dtype.itemsize  # bytes of the part of a slot meant for one destination
-        for c0 in range(0, n, per):
-            c1 = min(n, c0 + per)
+        for c0, c1, slot in self._steps(n, per):
             m = c1 - c0
-            slot = self._begin()
             for r in range(world):
                 if r != me:
                     self._mine(slot, r * part, m, dtype).copy_(full[r * n + c0 : r * n + c1])
             self._publish_and_wait(1, n, dtype)
-            out = output[c0:c1]
-            for r in range(world):  # rank order on every rank
-                term = full[me * n + c0 : me * n + c1] if r == me else self._at(r, slot, me * part, m, dtype)
-                if r == 0:
-                    out.copy_(term)
-                else:
-                    out.add_(term)
+            terms = [
+                full[me * n + c0 : me * n + c1] if r == me else self._at(r, slot, me * part, m, dtype)
+                for r in range(world)
+            ]
+            _sum_into(output[c0:c1], terms)
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
         n, dtype = tensor.numel(), tensor.dtype
-        per = self._per_step(dtype)
-        for c0 in range(0, n, per):
-            c1 = min(n, c0 + per)
-            slot = self._begin()
+        for c0, c1, slot in self._steps(n, self._per_step(dtype)):
             self._mine(slot, 0, c1 - c0, dtype).copy_(tensor[c0:c1])
             self._publish_and_wait(2, n, dtype)
-            out = tensor[c0:c1]
-            for r in range(self.world):  # every rank adds the same values in the same order
-                term = self._at(r, slot, 0, c1 - c0, dtype)
-                if r == 0:
-                    out.copy_(term)
-                else:
-                    out.add_(term)
+            # every rank adds the same values (its own from its slot) in the same order: equal results
+            _sum_into(tensor[c0:c1], [self._at(r, slot, 0, c1 - c0, dtype) for r in range(self.world)])
+
+
+def _sum_into(out: torch.Tensor, terms: Sequence[torch.Tensor]) -> None:
+    """``out = terms[0] + terms[1] + ...``, added in list (rank) order."""
+    out.copy_(terms[0])
+    for term in terms[1:]:
+        out.add_(term)
 
 
 # One entry per process group seen: its ShmGroup, or None where the backend's collectives are used.
