@@ -245,9 +245,15 @@ def _wrap(
             mp = FSDPMixedPrecision(
                 param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=param_dtype
             )
+        # By default FSDP1 prefetches in forward exactly when flatshard is asked to (like for like);
+        # --fsdp1-forward-prefetch off keeps FSDP1 at its own default instead.
+        fwd_prefetch = (
+            cfg["flatshard_forward_prefetch"] in ("on", "auto")
+            and cfg.get("fsdp1_forward_prefetch", "same") != "off"
+        )
         info["fsdp1_options"] = {
             "backward_prefetch": "BACKWARD_PRE (FSDP1 default)",
-            "forward_prefetch": False,
+            "forward_prefetch": fwd_prefetch,
             "limit_all_gathers": True,
             "device_id": str(device),
         }
@@ -263,6 +269,7 @@ def _wrap(
             device_id=device,
             mixed_precision=mp,
             backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+            forward_prefetch=fwd_prefetch,
             limit_all_gathers=True,
         )
     if name in ("fsdp2", "fsdp2_grad_op"):
@@ -700,6 +707,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="off",
         help="off (default, like FSDP1's default), on (bare flag), or auto (on if supported)",
     )
+    p.add_argument(
+        "--fsdp1-forward-prefetch",
+        choices=["same", "off"],
+        default="same",
+        help="same (default): FSDP1 prefetches in forward when flatshard does; off: FSDP1 keeps its default",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a contender may run")
     p.add_argument("--out", type=Path, default=None, help="JSON path; the PNG goes next to it")
     p.add_argument(
@@ -734,6 +747,7 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
         threads=args.threads,
         flatshard_backward_prefetch=args.flatshard_backward_prefetch,
         flatshard_forward_prefetch=args.flatshard_forward_prefetch,
+        fsdp1_forward_prefetch=args.fsdp1_forward_prefetch,
         optimizer="AdamW(lr=1e-4), other defaults",
         timed_region="forward + cross-entropy + backward + optimizer.step() + zero_grad(set_to_none=True)",
         malloc_mmap_threshold=args.malloc_mmap_threshold,
