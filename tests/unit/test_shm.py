@@ -125,3 +125,25 @@ def test_a_peer_that_never_comes_is_reported_after_the_timeout(tmp_path: Path) -
     a, _ = _ranks(tmp_path, 2, timeout=0.6)
     with pytest.raises(RuntimeError, match=r"waited 1 s for rank 1 in a shared-memory reduce_scatter.*HINT"):
         a.reduce_scatter(torch.empty(8), torch.ones(16)).wait()
+
+
+def test_names_left_by_processes_that_no_longer_run_are_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    monkeypatch.setattr(shm, "_SHM_DIR", str(tmp_path))
+    names = {
+        "dead": f"flatshard-comm-{proc.pid}-abc",
+        "dead_gather": f"flatshard-gather-{proc.pid}-def",
+        "alive": f"flatshard-comm-{os.getpid()}-abc",
+        "not_ours": f"other-comm-{proc.pid}-abc",
+        "no_pid": "flatshard-comm-x-abc",
+    }
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"")
+    assert shm.segment_path("comm").startswith(str(tmp_path / f"flatshard-comm-{os.getpid()}-"))
+    shm.remove_stale_segments()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        names[k] for k in ("alive", "not_ours", "no_pid")
+    )

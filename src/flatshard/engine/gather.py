@@ -25,7 +25,8 @@ describe what they need as :class:`GatherItem` s (one per unit and per optimizer
 
 The transport is agreed on by all ranks of the group in one object collective when the stream opens,
 so a rank that cannot map a peer's segment makes every rank fall back, never hang. Segments are
-unlinked as soon as every peer has mapped them: nothing is left in ``/dev/shm`` if a process dies.
+unlinked as soon as every peer has mapped them; a name left by a process killed before that is removed by
+the next setup on the host (:func:`~flatshard.engine.shm.remove_stale_segments`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import os
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from flatshard.engine.flat_param import FlatLayout
 from flatshard.engine.memory import Prefaulter, empty_mapped
-from flatshard.engine.shm import Segment, host_key
+from flatshard.engine.shm import Segment, host_key, remove_stale_segments, segment_path
 
 __all__ = [
     "FlatStream",
@@ -101,7 +101,8 @@ class FlatStream:
             and os.path.isdir(_SHM_DIR)
             and os.environ.get("FLATSHARD_SHM", "1") != "0"
         ):
-            own_path = os.path.join(_SHM_DIR, f"flatshard-{uuid.uuid4().hex}")
+            remove_stale_segments()
+            own_path = segment_path("gather")
             try:
                 self._own = Segment(own_path, 2 * self.chunk_bytes, create=True)
             except (OSError, ValueError, RuntimeError) as err:

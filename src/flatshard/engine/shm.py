@@ -29,7 +29,8 @@ all-reduce of CPU tensors):
 
 The transport is agreed on once per group by all its ranks (one object collective on first use), so
 a rank that cannot create or map a segment makes every rank use gloo, never hang. Segments are
-unlinked as soon as every peer has mapped them. Used on Linux x86-64 only (its stores are ordered,
+unlinked as soon as every peer has mapped them (a name left by a process killed before that is removed by
+the next setup on the host). Used on Linux x86-64 only (its stores are ordered,
 so a published counter implies the slot's bytes are visible); elsewhere, for several hosts, or with
 ``FLATSHARD_SHM=0``, collectives go to the process group's backend.
 """
@@ -56,7 +57,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DTYPES", "Segment", "ShmGroup", "ShmWork", "host_key", "shm_group"]
+__all__ = [
+    "DTYPES",
+    "Segment",
+    "ShmGroup",
+    "ShmWork",
+    "host_key",
+    "remove_stale_segments",
+    "segment_path",
+    "shm_group",
+]
 
 ProcessGroup = Any
 
@@ -95,6 +105,34 @@ def host_key() -> str:
     except OSError:
         boot = ""
     return f"{socket.gethostname()}/{boot}"
+
+
+def segment_path(kind: str) -> str:
+    """A fresh name in ``/dev/shm`` for a segment of this process: ``flatshard-<kind>-<pid>-<random>``.
+
+    Names live only until every peer has mapped the segment; a process killed in that window leaves its
+    name behind, and the next :func:`remove_stale_segments` on the host removes it.
+    """
+    return os.path.join(_SHM_DIR, f"flatshard-{kind}-{os.getpid()}-{uuid.uuid4().hex}")
+
+
+def remove_stale_segments() -> None:
+    """Unlink segment names left by processes of this host that no longer run."""
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 4 or parts[0] != "flatshard" or not parts[2].isdigit():
+            continue
+        try:
+            os.kill(int(parts[2]), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):  # another process may be removing it too
+                os.unlink(os.path.join(_SHM_DIR, name))
+        except (PermissionError, OverflowError):
+            pass  # alive (another user's), or not a pid
 
 
 class Segment:
@@ -424,7 +462,8 @@ def _setup(group: ProcessGroup | None, slot_bytes: int) -> ShmGroup | None:
         return None
     rank = dist.get_rank(group)
     nbytes = _HEADER + 2 * slot_bytes
-    path: str | None = os.path.join(_SHM_DIR, f"flatshard-comm-{uuid.uuid4().hex}")
+    remove_stale_segments()
+    path: str | None = segment_path("comm")
     own: Segment | None = None
     error = ""
     try:
