@@ -12,6 +12,8 @@ from flatshard.engine import gather
 from flatshard.engine.flat_param import FlatLayout
 from flatshard.testing import spawn
 
+from ._sabotage import fail_segments
+
 SHAPES = (torch.Size([7, 300]), torch.Size([5]), torch.Size([1000]), torch.Size([33, 17]), torch.Size([0]))
 
 
@@ -59,14 +61,7 @@ def _items(rank: int, world: int) -> tuple[list[gather.GatherItem], list[dict[in
 def _run(rank: int, world: int, keep_all: bool, chunk_bytes: int, sabotage: str) -> dict[str, object]:
     torch.set_num_threads(1)
     if sabotage == "peer_cannot_map" and rank == 0:
-        real_init = gather.Segment.__init__
-
-        def init(self: gather.Segment, path: str, nbytes: int, create: bool) -> None:
-            if not create:
-                raise OSError("sabotaged: cannot map a peer's segment")
-            real_init(self, path, nbytes, create)
-
-        gather.Segment.__init__ = init  # type: ignore[method-assign]
+        fail_segments(creating=False)
     used: list[str] = []
     real_open = gather.FlatStream._open
 

@@ -15,6 +15,8 @@ from flatshard.engine import comm, shm
 from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT, make_batch
 
+from ._sabotage import fail_segments
+
 pytestmark = pytest.mark.skipif(shm._futex() is None, reason="the transport needs Linux x86-64")
 
 STEPS = 3
@@ -76,23 +78,9 @@ def test_training_over_shared_memory_equals_gloo_and_the_unsharded_model(world: 
 def _run_fallback(rank: int, world: int, sabotage: str) -> bool:
     torch.set_num_threads(1)
     if sabotage == "cannot_create" and rank == 1:
-        real_init = shm.Segment.__init__
-
-        def init(self: shm.Segment, path: str, nbytes: int, create: bool) -> None:
-            if create:
-                raise OSError("sabotaged: no space in /dev/shm")
-            real_init(self, path, nbytes, create)
-
-        shm.Segment.__init__ = init  # type: ignore[method-assign]
+        fail_segments(creating=True)
     if sabotage == "cannot_map" and rank == 0:
-        real_init = shm.Segment.__init__
-
-        def init(self: shm.Segment, path: str, nbytes: int, create: bool) -> None:
-            if not create:
-                raise OSError("sabotaged: cannot map a peer's segment")
-            real_init(self, path, nbytes, create)
-
-        shm.Segment.__init__ = init  # type: ignore[method-assign]
+        fail_segments(creating=False)
     shard = torch.full((5,), float(rank))
     out = torch.empty(5 * world)
     comm.all_gather_flat(out, shard, None).wait()

@@ -32,8 +32,6 @@ the next setup on the host (:func:`~flatshard.engine.shm.remove_stale_segments`)
 from __future__ import annotations
 
 import bisect
-import contextlib
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +41,7 @@ import torch.distributed as dist
 
 from flatshard.engine.flat_param import FlatLayout
 from flatshard.engine.memory import Prefaulter, empty_mapped
-from flatshard.engine.shm import Segment, host_key, remove_stale_segments, segment_path
+from flatshard.engine.shm import Segment, exchange_segments
 
 __all__ = [
     "FlatStream",
@@ -59,7 +57,6 @@ Piece = tuple[int, torch.Tensor]
 ProcessGroup = Any
 
 DEFAULT_CHUNK_BYTES = 16 << 20
-_SHM_DIR = "/dev/shm"
 
 
 class FlatStream:
@@ -94,48 +91,24 @@ class FlatStream:
     # -- setup -------------------------------------------------------------------------------------
 
     def _open(self) -> None:
-        own_path: str | None = None
-        error = ""
-        if (
-            self.device.type == "cpu"
-            and os.path.isdir(_SHM_DIR)
-            and os.environ.get("FLATSHARD_SHM", "1") != "0"
-        ):
-            remove_stale_segments()
-            own_path = segment_path("gather")
-            try:
-                self._own = Segment(own_path, 2 * self.chunk_bytes, create=True)
-            except (OSError, ValueError, RuntimeError) as err:
-                own_path, error = None, f"{type(err).__name__}: {err}"
-        mine = {"host": host_key(), "keep": self.keep, "path": own_path, "error": error}
-        everyone: list[Any] = [None] * self.world
-        dist.all_gather_object(everyone, mine, group=self.group)
+        everyone, own, peers = exchange_segments(
+            self.group,
+            2 * self.chunk_bytes,
+            "gather",
+            possible=self.device.type == "cpu",
+            open_peers=self.keep,  # only keepers read the others' slots
+            info={"keep": self.keep},
+        )
         self.keepers = [r for r, info in enumerate(everyone) if info["keep"]]
-        sends = any(r != self.rank for r in self.keepers)
-        usable = all(info["path"] for info in everyone) and len({info["host"] for info in everyone}) == 1
-        opened = 1
-        if usable and self.keep:
-            try:
-                for r, info in enumerate(everyone):
-                    if r != self.rank:
-                        self._segments[r] = Segment(info["path"], 2 * self.chunk_bytes, create=False)
-            except (OSError, ValueError, RuntimeError):
-                opened = 0
-        if usable:
-            flag = torch.tensor([opened], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-            usable = bool(flag.item())
-        if own_path is not None:  # every peer has mapped it (or gave up): the name is no longer needed
-            with contextlib.suppress(OSError):
-                os.unlink(own_path)
-        if usable:
-            self.transport = "shm"
-            if not sends and self._own is not None:
-                self._own.close()
-                self._own = None
-        else:
-            self.close()
+        if own is None:
             self.transport = "collective"
+            return
+        self.transport = "shm"
+        self._segments = peers
+        if any(r != self.rank for r in self.keepers):  # this rank sends: keep its slots
+            self._own = own
+        else:
+            own.close()
 
     def close(self) -> None:
         for seg in self._segments.values():

@@ -25,7 +25,15 @@ import threading
 
 import torch
 
-__all__ = ["Prefaulter", "advise_hugepages", "alloc_storage", "empty_flat", "empty_mapped", "free_storage"]
+__all__ = [
+    "Prefaulter",
+    "advise_hugepages",
+    "alloc_storage",
+    "empty_flat",
+    "empty_mapped",
+    "free_storage",
+    "libc",
+]
 
 _MADV_HUGEPAGE = 14  # linux/mman.h
 _MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux >= 5.14
@@ -34,15 +42,23 @@ _MIN_BYTES = 4 << 20  # below two huge pages there is nothing to gain
 
 
 @functools.cache
-def _libc_madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """libc's ``madvise`` on Linux (called with the GIL released), else ``None``."""
+def libc() -> ctypes.CDLL | None:
+    """The C library on Linux, loaded once with ``errno`` kept (foreign calls release the GIL), else ``None``."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
         return None
-    fn = libc.madvise
+
+
+@functools.cache
+def _libc_madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """libc's ``madvise`` on Linux, else ``None``."""
+    c = libc()
+    if c is None:
+        return None
+    fn = c.madvise
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
@@ -81,36 +97,38 @@ def advise_hugepages(t: torch.Tensor) -> None:
 
 def empty_flat(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.empty(numel)``; a large CPU block is a mapping of its own, with huge pages requested."""
-    if device.type == "cpu" and _MAP_TRANSIENT and numel * dtype.itemsize >= _MIN_BYTES:
-        t = empty_mapped((numel,), dtype)
-    else:
-        t = torch.empty(numel, dtype=dtype, device=device)
+    t = (
+        empty_mapped((numel,), dtype)
+        if device.type == "cpu"
+        else torch.empty(numel, dtype=dtype, device=device)
+    )
     advise_hugepages(t)
     return t
 
 
-_MAP_TRANSIENT = sys.platform.startswith("linux")
 _CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
+def _mappable(nbytes: int) -> bool:
+    """Whether a CPU block of ``nbytes`` gets a mapping of its own (Linux, large blocks)."""
+    return nbytes >= _MIN_BYTES and sys.platform.startswith("linux")
+
+
 def alloc_storage(t: torch.Tensor) -> None:
-    """Give ``t`` (whose storage was freed with :func:`free_storage`) storage for all its elements again."""
+    """Give ``t`` (whose storage was freed with :func:`free_storage`) storage for all its elements again.
+
+    A large CPU block gets a mapping of its own, swapped into the existing storage object, so every view
+    of it (as autograd saved them) uses the new memory and :func:`free_storage` can unmap it.
+    """
     nbytes = t.numel() * t.element_size()
     storage = t.untyped_storage()
     if storage.nbytes() == nbytes:
         return
-    if (
-        t.device.type == "cpu"
-        and _MAP_TRANSIENT
-        and _CAN_SWAP
-        and nbytes >= _MIN_BYTES
-        and storage.nbytes() == 0
-    ):
-        fresh = empty_mapped((nbytes,), torch.uint8).untyped_storage()
-        storage._swap_data_ptr_(fresh)  # type: ignore[attr-defined]  # the StorageImpl (and every view of it) now uses the mapping
-        advise_hugepages(t)
-        return
-    storage.resize_(nbytes)
+    if t.device.type == "cpu" and _CAN_SWAP and _mappable(nbytes) and storage.nbytes() == 0:
+        fresh = empty_mapped((nbytes,), torch.uint8)
+        storage._swap_data_ptr_(fresh.untyped_storage())  # type: ignore[attr-defined]
+    else:
+        storage.resize_(nbytes)
     advise_hugepages(t)
 
 
@@ -138,7 +156,7 @@ def empty_mapped(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> tor
     for n in shape:
         numel *= int(n)
     nbytes = numel * dtype.itemsize
-    if nbytes < _MIN_BYTES or not sys.platform.startswith("linux"):
+    if not _mappable(nbytes):
         return torch.empty(shape, dtype=dtype)
     block = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(block, dtype=dtype).view(shape)  # the tensor keeps the mapping alive

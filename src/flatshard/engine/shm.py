@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import functools
 import mmap
@@ -47,7 +46,6 @@ import os
 import platform
 import queue
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -57,11 +55,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flatshard.engine.memory import libc
+
 __all__ = [
     "DTYPES",
     "Segment",
     "ShmGroup",
     "ShmWork",
+    "exchange_segments",
     "host_key",
     "remove_stale_segments",
     "segment_path",
@@ -158,10 +159,13 @@ class Segment:
         os.close(fd)
         self.bytes: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
 
-    def slot(self, index: int, slot_bytes: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def view(self, start: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """``numel`` elements of ``dtype`` from byte ``start`` of the segment."""
         assert self.bytes is not None
-        start = index * slot_bytes
         return self.bytes[start : start + numel * dtype.itemsize].view(dtype)
+
+    def slot(self, index: int, slot_bytes: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.view(index * slot_bytes, numel, dtype)
 
     def int32(self, offset: int) -> ctypes.c_int32:
         assert self._map is not None
@@ -180,13 +184,10 @@ class Segment:
 
 @functools.cache
 def _futex() -> Callable[..., int] | None:
-    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "AMD64"):
+    c = libc() if platform.machine() in ("x86_64", "AMD64") else None
+    if c is None:
         return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
-    fn = libc.syscall
+    fn = c.syscall
     # syscall(SYS_futex, uaddr, op, val, timeout, uaddr2, val3)
     fn.argtypes = [
         ctypes.c_long,
@@ -305,18 +306,16 @@ class ShmGroup:
         return self._at(self.rank, slot, offset, numel, dtype)
 
     def _at(self, r: int, slot: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        seg = self._segments[r]
-        assert seg.bytes is not None
-        start = _HEADER + slot * self.slot_bytes + offset
-        return seg.bytes[start : start + numel * dtype.itemsize].view(dtype)
+        return self._segments[r].view(_HEADER + slot * self.slot_bytes + offset, numel, dtype)
 
     def _publish_and_wait(self, op: int, numel: int, dtype: torch.dtype) -> None:
         """Record this step's collective, publish the step, wait for every peer to publish it."""
         slot = self._step % 2
         self._step += 1
         target = self._step & 0xFFFFFFFF
+        mine = (op, numel, DTYPES.index(dtype))
         record = self._records[self.rank][slot]
-        record[0], record[1], record[2] = op, numel, DTYPES.index(dtype)
+        record[0], record[1], record[2] = mine
         seq = self._seq[self.rank]
         seq.value = target if target < 0x80000000 else target - 0x100000000
         if self._futex is not None:
@@ -325,7 +324,7 @@ class ShmGroup:
             if r != self.rank:
                 self._wait_for(r, target, op, numel, dtype)
                 theirs = tuple(self._records[r][slot])
-                if theirs != (op, numel, DTYPES.index(dtype)):
+                if theirs != mine:
                     raise RuntimeError(self._mismatch(r, theirs, op, numel, dtype))
 
     def _wait_for(self, r: int, target: int, op: int, numel: int, dtype: torch.dtype) -> None:
@@ -432,9 +431,55 @@ def _sum_into(out: torch.Tensor, terms: Sequence[torch.Tensor]) -> None:
         out.add_(term)
 
 
-# One entry per process group seen: its ShmGroup, or None where the backend's collectives are used.
+def exchange_segments(
+    group: ProcessGroup | None, nbytes: int, kind: str, possible: bool, open_peers: bool, info: dict[str, Any]
+) -> tuple[list[dict[str, Any]], Segment | None, dict[int, Segment]]:
+    """Collective over ``group``: each rank creates a segment of ``nbytes`` and the ranks map each other's.
+
+    A rank creates its segment when ``possible`` (and ``/dev/shm`` is there and ``FLATSHARD_SHM`` is not
+    ``0``), then every rank shares its name and ``info``; ranks with ``open_peers`` map the others'. If any
+    rank could not create or map, or the ranks are on several hosts, every rank gets ``(everyone, None,
+    {})`` and nothing stays mapped: all ranks decide alike, so none waits on a segment another dropped.
+    Returns every rank's ``info`` (with ``host``, ``path``, ``error``), this rank's segment and its peers'.
+    """
+    path: str | None = None
+    own: Segment | None = None
+    error = ""
+    if possible and os.path.isdir(_SHM_DIR) and os.environ.get("FLATSHARD_SHM", "1") != "0":
+        remove_stale_segments()
+        path = segment_path(kind)
+        try:
+            own = Segment(path, nbytes, create=True)
+        except (OSError, ValueError, RuntimeError) as err:
+            path, error = None, f"{type(err).__name__}: {err}"
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, {**info, "host": host_key(), "path": path, "error": error}, group=group)
+    usable = all(e["path"] for e in everyone) and len({e["host"] for e in everyone}) == 1
+    peers: dict[int, Segment] = {}
+    if usable:
+        if open_peers:
+            try:
+                for r, e in enumerate(everyone):
+                    if r != rank:
+                        peers[r] = Segment(e["path"], nbytes, create=False)
+            except (OSError, ValueError, RuntimeError):
+                usable = False
+        flag = torch.tensor([int(usable)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        usable = bool(flag.item())
+    if path is not None:  # every peer has mapped it (or gave up): the name is no longer needed
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    if usable and own is not None:
+        return everyone, own, peers
+    for seg in (*peers.values(), *([own] if own is not None else [])):
+        seg.close()
+    return everyone, None, {}
+
+
+# One entry per process group seen: the group, and its ShmGroup or None where the backend is used.
 _GROUPS: dict[int, tuple[Any, ShmGroup | None]] = {}
-_LOCK = threading.Lock()
 
 
 def shm_group(group: ProcessGroup | None, slot_bytes: int | None = None) -> ShmGroup | None:
@@ -444,59 +489,23 @@ def shm_group(group: ProcessGroup | None, slot_bytes: int | None = None) -> ShmG
     is called from the first flat collective on the group, which every rank issues). Returns ``None``
     where the group's backend must be used (see [Note: shared-memory collectives]).
     """
-    key = id(group) if group is not None else id(dist.group.WORLD)
-    entry = _GROUPS.get(key)
-    if entry is not None and entry[0] is (group if group is not None else dist.group.WORLD):
-        return entry[1]
-    with _LOCK:
-        made = _setup(group, slot_bytes or DEFAULT_SLOT_BYTES)
-        _GROUPS[key] = (group if group is not None else dist.group.WORLD, made)
-    return made
-
-
-def _setup(group: ProcessGroup | None, slot_bytes: int) -> ShmGroup | None:
-    world = dist.get_world_size(group)
-    if world == 1 or os.environ.get("FLATSHARD_SHM", "1") == "0" or _futex() is None:
-        return None  # the same answer on every rank of a host: no agreement needed for these
-    if not os.path.isdir(_SHM_DIR):
-        return None
-    rank = dist.get_rank(group)
-    nbytes = _HEADER + 2 * slot_bytes
-    remove_stale_segments()
-    path: str | None = segment_path("comm")
-    own: Segment | None = None
-    error = ""
-    try:
-        assert path is not None
-        own = Segment(path, nbytes, create=True)
-    except (OSError, ValueError, RuntimeError) as err:
-        path, error = None, f"{type(err).__name__}: {err}"
-    mine = {"host": host_key(), "path": path, "pid": os.getpid(), "error": error}
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, mine, group=group)
-    usable = all(info["path"] for info in everyone) and len({info["host"] for info in everyone}) == 1
-    peers: dict[int, Segment] = {}
-    if usable:
-        try:
-            for r, info in enumerate(everyone):
-                if r != rank:
-                    peers[r] = Segment(info["path"], nbytes, create=False)
-        except (OSError, ValueError, RuntimeError):
-            usable = False
-        flag = torch.tensor([int(usable)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        usable = bool(flag.item())
-    if path is not None:  # every peer has mapped it (or gave up): the name is no longer needed
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-    if not usable or own is None:
-        for seg in peers.values():
-            seg.close()
-        if own is not None:
-            own.close()
-        return None
     pg = group if group is not None else dist.group.WORLD
-    assert pg is not None
+    entry = _GROUPS.get(id(pg))
+    if entry is None or entry[0] is not pg:  # a group made after an older one with this id was dropped
+        entry = _GROUPS[id(pg)] = (pg, _setup(pg, slot_bytes or DEFAULT_SLOT_BYTES))
+    return entry[1]
+
+
+def _setup(pg: ProcessGroup, slot_bytes: int) -> ShmGroup | None:
+    world = dist.get_world_size(pg)
+    if world == 1:
+        return None
+    nbytes = _HEADER + 2 * slot_bytes
+    everyone, own, peers = exchange_segments(
+        pg, nbytes, "comm", possible=_futex() is not None, open_peers=True, info={"pid": os.getpid()}
+    )
+    if own is None:
+        return None
     global_ranks = [dist.get_global_rank(pg, r) for r in range(world)]
-    pids = [info["pid"] for info in everyone]
-    return ShmGroup(rank, world, own, peers, pids, global_ranks, slot_bytes, DEFAULT_TIMEOUT_S)
+    pids = [e["pid"] for e in everyone]
+    return ShmGroup(dist.get_rank(pg), world, own, peers, pids, global_ranks, slot_bytes, DEFAULT_TIMEOUT_S)
