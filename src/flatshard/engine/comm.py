@@ -14,7 +14,11 @@ Quirks handled here:
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -23,11 +27,13 @@ import torch.distributed as dist
 from flatshard.engine import shm
 
 __all__ = [
+    "CollectiveTiming",
     "Pending",
     "all_gather_flat",
     "all_reduce_flat",
     "comm_stats",
     "reduce_scatter_flat",
+    "timeline",
 ]
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; typed loosely for older torch stubs
@@ -43,16 +49,76 @@ comm_stats: Counter[str] = Counter()
 ``"all_reduce"``); reset with ``comm_stats.clear()``."""
 
 
+@dataclasses.dataclass
+class CollectiveTiming:
+    """When one collective was issued, worked on and waited for (``time.perf_counter_ns`` values).
+
+    ``busy`` is when the shared-memory transport's worker ran it (``None`` for a backend's collective,
+    whose threads or kernels are not observable here); ``waited`` holds the intervals the issuing
+    thread spent blocked in :meth:`Pending.wait`: the communication that was *not* hidden behind
+    compute. See :func:`timeline`.
+    """
+
+    kind: str
+    nbytes: int
+    issued_ns: int
+    busy: tuple[int, int] | None = None
+    waited: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+
+_timeline: list[CollectiveTiming] | None = None
+
+
+@contextlib.contextmanager
+def timeline() -> Iterator[list[CollectiveTiming]]:
+    """Record a :class:`CollectiveTiming` for every collective issued inside the block, in issue order.
+
+    What ``benchmarks/overlap.py`` uses to show how much communication overlaps compute on CPU. Off
+    (and free) outside the block.
+    """
+    global _timeline
+    records: list[CollectiveTiming] = []
+    previous, _timeline = _timeline, records
+    try:
+        yield records
+    finally:
+        _timeline = previous
+
+
 class Pending(NamedTuple):
     """A collective in flight: ``output`` is valid after ``wait()``."""
 
     output: torch.Tensor
     work: Any | None  # torch.distributed.Work, or None when already complete
+    timing: CollectiveTiming | None = None  # inside comm.timeline()
 
     def wait(self) -> torch.Tensor:
-        if self.work is not None:
+        if self.work is None:
+            return self.output
+        if self.timing is None:
             self.work.wait()
+            return self.output
+        start = time.perf_counter_ns()
+        self.work.wait()
+        self.timing.waited.append((start, time.perf_counter_ns()))
+        ended = getattr(self.work, "ended_ns", None)  # a ShmWork: when its worker ran it
+        if self.timing.busy is None and ended:
+            self.timing.busy = (self.work.started_ns, ended)
         return self.output
+
+
+def _issued(kind: str, nbytes: int, output: torch.Tensor, work: Any, async_op: bool) -> Pending:
+    """Count the bytes; time the collective inside :func:`timeline`; wait now unless ``async_op``."""
+    comm_stats[kind] += nbytes
+    timing = None
+    if _timeline is not None:
+        timing = CollectiveTiming(kind, nbytes, time.perf_counter_ns())
+        _timeline.append(timing)
+    pending = Pending(output, work, timing)
+    if not async_op and work is not None:
+        pending.wait()
+        return Pending(output, None, timing)
+    return pending
 
 
 def _group_size(group: ProcessGroup | None) -> int:
@@ -67,13 +133,6 @@ def _shm_for(group: ProcessGroup | None, *tensors: torch.Tensor) -> shm.ShmGroup
     return shm.shm_group(group)
 
 
-def _issued(output: torch.Tensor, work: Any, async_op: bool) -> Pending:
-    if not async_op:
-        work.wait()
-        return Pending(output, None)
-    return Pending(output, work)
-
-
 def all_gather_flat(
     output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None, async_op: bool = True
 ) -> Pending:
@@ -83,12 +142,13 @@ def all_gather_flat(
             f"all_gather_flat: output has {output.numel()} elements, expected "
             f"{shard.numel()} x {_group_size(group)}."
         )
-    comm_stats["all_gather"] += shard.numel() * shard.element_size()
+    nbytes = shard.numel() * shard.element_size()
     channel = _shm_for(group, output, shard)
     if channel is not None:
-        return _issued(output, channel.all_gather(output, shard), async_op)
-    work = _all_gather_base(output, shard, group=group, async_op=async_op)
-    return Pending(output, work if async_op else None)
+        work = channel.all_gather(output, shard)
+    else:
+        work = _all_gather_base(output, shard, group=group, async_op=True)
+    return _issued("all_gather", nbytes, output, work, async_op)
 
 
 def reduce_scatter_flat(
@@ -103,31 +163,34 @@ def reduce_scatter_flat(
         raise ValueError(
             f"reduce_scatter_flat: input has {full.numel()} elements, expected {output.numel()} x {world}."
         )
-    comm_stats["reduce_scatter"] += full.numel() * full.element_size()
+    nbytes = full.numel() * full.element_size()
     channel = _shm_for(group, output, full)
     if channel is not None:
-        return _issued(output, channel.reduce_scatter(output, full), async_op)
+        return _issued("reduce_scatter", nbytes, output, channel.reduce_scatter(output, full), async_op)
     backend = str(dist.get_backend(group))
     if backend not in _NO_NATIVE_REDUCE_SCATTER:
         try:
-            work = _reduce_scatter_base(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-            return Pending(output, work if async_op else None)
+            work = _reduce_scatter_base(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            return _issued("reduce_scatter", nbytes, output, work, async_op)
         except (RuntimeError, NotImplementedError) as err:  # pragma: no cover - depends on torch build
             if "support" not in str(err).lower():
                 raise
             _NO_NATIVE_REDUCE_SCATTER.add(backend)
     # Fallback: all-reduce in place, then copy our slice (twice the traffic, same result).
-    dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group)
+    pending = _issued(
+        "reduce_scatter", nbytes, full, dist.all_reduce(full, group=group, async_op=True), False
+    )
     rank = dist.get_rank(group)
-    output.copy_(full[rank * output.numel() : (rank + 1) * output.numel()])
-    return Pending(output, None)
+    output.copy_(pending.output[rank * output.numel() : (rank + 1) * output.numel()])
+    return Pending(output, None, pending.timing)
 
 
 def all_reduce_flat(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool = True) -> Pending:
     """Sum ``tensor`` over ``group`` in place."""
-    comm_stats["all_reduce"] += tensor.numel() * tensor.element_size()
+    nbytes = tensor.numel() * tensor.element_size()
     channel = _shm_for(group, tensor)
     if channel is not None:
-        return _issued(tensor, channel.all_reduce(tensor), async_op)
-    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return Pending(tensor, work if async_op else None)
+        work = channel.all_reduce(tensor)
+    else:
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return _issued("all_reduce", nbytes, tensor, work, async_op)

@@ -215,6 +215,9 @@ class ShmWork:
     def __init__(self) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
+        # When the worker ran it (time.perf_counter_ns): what comm.timeline reports as transport time.
+        self.started_ns = 0
+        self.ended_ns = 0
 
     def wait(self, timeout: Any = None) -> bool:
         self._done.wait()
@@ -227,6 +230,7 @@ class ShmWork:
 
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
+        self.ended_ns = time.perf_counter_ns()
         self._done.set()
 
 
@@ -291,6 +295,7 @@ class ShmGroup:
             if self._broken is not None:
                 work._finish(RuntimeError(f"flatshard shared-memory collectives stopped: {self._broken}"))
                 continue
+            work.started_ns = time.perf_counter_ns()
             try:
                 fn(*tensors)
             except BaseException as err:  # reported to the waiter, and to every later collective
