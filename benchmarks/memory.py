@@ -7,7 +7,8 @@ FULL_SHARD (one unit per ``Block``), create ``AdamW(lr=1e-4)`` and train ``--ste
 
 * **measured** = peak RSS during training (``VmHWM``, reset with ``clear_refs`` after setup) minus the RSS
   right before the model is built (after imports, process-group init, making the batches, a one-parameter
-  AdamW step for the modules it imports on first use, gc, a barrier);
+  AdamW step for the modules it imports on first use, one plain-torch step of a tiny GPT for the code pages
+  of the kernels, gc, a barrier);
 * **theory** = (parameters + gradients + 2 AdamW states, fp32) / N (this rank's padded shard)
   + the largest unit unsharded (its parameters + its gradient; 0 at N = 1, where the shard *is* the
   unsharded unit) + the activations autograd saves for backward (counted with
@@ -122,6 +123,19 @@ def _warm_up_imports() -> None:
     opt.step()
 
 
+def _warm_up_kernels(cfg: dict[str, Any]) -> None:
+    """One unsharded training step of a 1-layer, d_model 64 GPT of the same vocabulary and batch shape, so
+    the baseline includes the code pages of the kernels training runs (file-backed libtorch pages, ~10 MiB,
+    the same for every model size and world size). Plain torch: nothing of flatshard's is set up here, so
+    its own buffers (the transport's segments among them) are all measured."""
+    tiny = _build_model(dict(cfg, d_model=64, n_layer=1, n_head=1))
+    opt = torch.optim.AdamW(tiny.parameters(), lr=1e-4)
+    idx = torch.randint(0, cfg["vocab_size"], (cfg["batch_size"], cfg["seq_len"]))
+    F.cross_entropy(tiny(idx).view(-1, cfg["vocab_size"]), idx.view(-1)).backward()
+    opt.step()
+    del tiny, opt, idx
+
+
 def run(rank: int, world: int, cfg: dict[str, Any], count_activations: bool) -> dict[str, Any]:
     """Train one size on one rank; return RSS figures (KiB) and the model's unit sizes."""
     torch.set_num_threads(cfg["threads"])
@@ -133,6 +147,7 @@ def run(rank: int, world: int, cfg: dict[str, Any], count_activations: bool) -> 
 
     batches = _make_batches(dict(cfg, warmup=0), rank, world, torch.device("cpu"))
     _warm_up_imports()
+    _warm_up_kernels(cfg)
     gc.collect()
     dist.barrier()
     libc = _libc()
