@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -151,67 +152,70 @@ def _check_killed_mid_save(state: dict[str, Any], path: Path) -> None:
     assert file_digests(path) == state["done"]["files"]
 
 
-@pytest.mark.timeout(300)
-def test_killed_full_save_keeps_the_previous_file(tmp_path: Path) -> None:
+@pytest.fixture
+def dirs(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A directory for the checkpoints (removed after the test: ~0.5 GB) and one for the markers."""
     ckpts, markers = tmp_path / "ckpts", tmp_path / "markers"
     ckpts.mkdir()
     markers.mkdir()
+    yield ckpts, markers
+    shutil.rmtree(ckpts, ignore_errors=True)
+
+
+def _next_save_replaces(
+    path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, expected: str, **save_kwargs: Any
+) -> None:
+    """The next save to ``path`` removes what the dead process left, and loads back as saved."""
+    flatshard.save_checkpoint(path, model, opt, extra={"save": "again"}, **save_kwargs)
+    assert sorted(os.listdir(path.parent)) == [path.name]
+    model2, opt2 = _fresh_sharded_model()
+    assert flatshard.load_checkpoint(path, model2, opt2) == {"save": "again"}
+    assert _digest_of(model2, opt2) == expected
+
+
+@pytest.mark.timeout(300)
+def test_killed_full_save_keeps_the_previous_file(dirs: tuple[Path, Path]) -> None:
+    ckpts, markers = dirs
     path = ckpts / "model.ckpt"
-    try:
-        state = _run_until_killed_mid_save("full", path, markers)
-        _check_killed_mid_save(state, path)
-        assert path.is_file()
+    state = _run_until_killed_mid_save("full", path, markers)
+    _check_killed_mid_save(state, path)
+    assert path.is_file()
 
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        assert ckpt["save"] == state["last"]
-        assert state_digest(ckpt["state_dict"], ckpt["optimizer_states"][0]) == state["expect"]["state"]
-        del ckpt
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    assert ckpt["save"] == state["last"]
+    assert state_digest(ckpt["state_dict"], ckpt["optimizer_states"][0]) == state["expect"]["state"]
+    del ckpt
 
-        model, opt = _fresh_sharded_model()
-        assert _digest_of(model, opt) != state["expect"]["state"]
-        extra = flatshard.load_checkpoint(path, model, opt)
-        assert extra == {"save": state["last"]}
-        assert _digest_of(model, opt) == state["expect"]["state"]
+    model, opt = _fresh_sharded_model()
+    assert _digest_of(model, opt) != state["expect"]["state"]
+    extra = flatshard.load_checkpoint(path, model, opt)
+    assert extra == {"save": state["last"]}
+    assert _digest_of(model, opt) == state["expect"]["state"]
 
-        # The half-written temporary file is recognisably not a checkpoint.
-        with pytest.raises(CheckpointError, match="could not be read"):
-            flatshard.load_checkpoint(state["tmp"][0], *_fresh_sharded_model())
+    # The half-written temporary file is recognisably not a checkpoint.
+    with pytest.raises(CheckpointError, match="could not be read"):
+        flatshard.load_checkpoint(state["tmp"][0], *_fresh_sharded_model())
 
-        # The next save to the same path removes the dead process's leftover and keeps the usual mode.
-        flatshard.save_checkpoint(path, model, opt, extra={"save": "again"})
-        assert sorted(os.listdir(ckpts)) == ["model.ckpt"]
-        model2, opt2 = _fresh_sharded_model()
-        assert flatshard.load_checkpoint(path, model2, opt2) == {"save": "again"}
-        assert _digest_of(model2, opt2) == state["expect"]["state"]
-    finally:
-        shutil.rmtree(ckpts, ignore_errors=True)  # ~0.5 GB
+    # The next save to the same path removes the dead process's leftover.
+    _next_save_replaces(path, model, opt, state["expect"]["state"])
 
 
 @pytest.mark.timeout(300)
-def test_killed_sharded_save_keeps_the_previous_directory(tmp_path: Path) -> None:
-    ckpts, markers = tmp_path / "ckpts", tmp_path / "markers"
-    ckpts.mkdir()
-    markers.mkdir()
+def test_killed_sharded_save_keeps_the_previous_directory(dirs: tuple[Path, Path]) -> None:
+    ckpts, markers = dirs
     path = ckpts / "model"
-    try:
-        state = _run_until_killed_mid_save("sharded", path, markers)
-        _check_killed_mid_save(state, path)
-        assert is_sharded_checkpoint(path)
-        assert sorted(state["done"]["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
-        (tmp,) = state["tmp"]
-        assert not is_sharded_checkpoint(tmp)  # no .metadata: the interrupted save is not a checkpoint
+    state = _run_until_killed_mid_save("sharded", path, markers)
+    _check_killed_mid_save(state, path)
+    assert is_sharded_checkpoint(path)
+    assert sorted(state["done"]["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    (tmp,) = state["tmp"]
+    assert not is_sharded_checkpoint(tmp)  # no .metadata: the interrupted save is not a checkpoint
 
-        # Written by 2 ranks with one unit per Linear; read by 1 rank with the whole model as one unit.
-        model, opt = _fresh_sharded_model()
-        extra = flatshard.load_checkpoint(path, model, opt)
-        assert extra == {"save": state["last"]}
-        assert _digest_of(model, opt) == state["expect"]["state"]
+    # Written by 2 ranks with one unit per Linear; read by 1 rank with the whole model as one unit.
+    model, opt = _fresh_sharded_model()
+    extra = flatshard.load_checkpoint(path, model, opt)
+    assert extra == {"save": state["last"]}
+    assert _digest_of(model, opt) == state["expect"]["state"]
 
-        # The next save to the same path clears the leftover and replaces the checkpoint.
-        flatshard.save_checkpoint(path, model, opt, state_dict_type="sharded", extra={"save": "again"})
-        assert sorted(os.listdir(ckpts)) == ["model"]
-        model2, opt2 = _fresh_sharded_model()
-        assert flatshard.load_checkpoint(path, model2, opt2) == {"save": "again"}
-        assert _digest_of(model2, opt2) == state["expect"]["state"]
-    finally:
-        shutil.rmtree(ckpts, ignore_errors=True)  # ~0.5 GB
+    # The next save to the same path clears the leftover and replaces the checkpoint.
+    _next_save_replaces(path, model, opt, state["expect"]["state"], state_dict_type="sharded")

@@ -164,6 +164,24 @@ def assert_same_optimizer_state(actual: dict[str, Any], expected: dict[str, Any]
                 assert got == value, (what, idx, key, got, value)
 
 
+def fit_and_save(
+    world: int,
+    strategy: Any,
+    model: L.LightningModule,
+    loader: DataLoader,
+    epochs: int,
+    out: str | os.PathLike[str],
+    ckpt_path: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
+    """Fit ``model`` to ``epochs`` epochs (resuming from ``ckpt_path`` if given) and save the result to
+    ``out``; return the global step and the losses recorded on this rank."""
+    recorder = LossRecorder()
+    trainer = make_trainer(world, strategy, max_epochs=epochs, callbacks=[recorder])
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    trainer.save_checkpoint(out)
+    return {"global_step": trainer.global_step, "losses": recorder.losses}
+
+
 def train_reference(
     steps_per_epoch: int, global_batch: int, epochs: int = 1, **lit_kwargs: Any
 ) -> tuple[L.Trainer, LitGPT, LossRecorder]:

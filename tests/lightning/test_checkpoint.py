@@ -29,6 +29,7 @@ from .lit_common import (
     LossRecorder,
     assert_same_optimizer_state,
     assert_same_weights,
+    fit_and_save,
     load_ckpt,
     make_loader,
     make_trainer,
@@ -95,20 +96,18 @@ RESUMES = [
 
 
 def _resumed_runs(rank: int, world: int, sources: dict[str, str], out_dir: str) -> dict[str, Any]:
-    results = {}
-    for name, strategy, source in RESUMES:
-        recorder = LossRecorder()
-        trainer = make_trainer(
-            world, strategy_by_name(strategy), max_epochs=TOTAL_EPOCHS, callbacks=[recorder]
-        )
-        trainer.fit(
+    return {
+        name: fit_and_save(
+            world,
+            strategy_by_name(strategy),
             LitGPT(),
             make_loader(STEPS_PER_EPOCH, GLOBAL_BATCH, world),
+            TOTAL_EPOCHS,
+            os.path.join(out_dir, f"{name}.ckpt"),
             ckpt_path=sources[source],
         )
-        trainer.save_checkpoint(os.path.join(out_dir, f"{name}.ckpt"))
-        results[name] = {"global_step": trainer.global_step, "losses": recorder.losses}
-    return results
+        for name, strategy, source in RESUMES
+    }
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from .lit_common import (
     LossRecorder,
     assert_same_optimizer_state,
     assert_same_weights,
+    fit_and_save,
     load_ckpt,
     make_loader,
     make_trainer,
@@ -61,13 +62,14 @@ def _first_runs(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     """The same training twice (one save of each type), then a ModelCheckpoint run writing directories."""
     results: dict[str, Any] = {}
     for state_dict_type in ("sharded", "full"):
-        recorder = LossRecorder()
-        trainer = make_trainer(
-            world, _strategy(state_dict_type, "block"), max_epochs=FIRST_EPOCHS, callbacks=[recorder]
+        results[state_dict_type] = fit_and_save(
+            world,
+            _strategy(state_dict_type, "block"),
+            LitGPT(),
+            make_loader(STEPS_PER_EPOCH, GLOBAL_BATCH, world),
+            FIRST_EPOCHS,
+            os.path.join(out_dir, f"{state_dict_type}.ckpt"),
         )
-        trainer.fit(LitGPT(), make_loader(STEPS_PER_EPOCH, GLOBAL_BATCH, world))
-        trainer.save_checkpoint(os.path.join(out_dir, f"{state_dict_type}.ckpt"))
-        results[state_dict_type] = {"losses": recorder.losses, "global_step": trainer.global_step}
     recorder = LossRecorder()
     callback = _top_k_callback(os.path.join(out_dir, "topk"))
     trainer = make_trainer(
@@ -95,20 +97,18 @@ RESUMES = [
 
 
 def _resumed_runs(rank: int, world: int, first_dir: str, out_dir: str) -> dict[str, Any]:
-    results = {}
-    for name, source, state_dict_type, policy, epochs in RESUMES:
-        recorder = LossRecorder()
-        trainer = make_trainer(
-            world, _strategy(state_dict_type, policy), max_epochs=epochs, callbacks=[recorder]
-        )
-        trainer.fit(
+    return {
+        name: fit_and_save(
+            world,
+            _strategy(state_dict_type, policy),
             LitGPT(seed=123),  # another init: everything must come from the checkpoint
             make_loader(STEPS_PER_EPOCH, GLOBAL_BATCH, world),
+            epochs,
+            os.path.join(out_dir, f"{name}.ckpt"),
             ckpt_path=os.path.join(first_dir, source),
         )
-        trainer.save_checkpoint(os.path.join(out_dir, f"{name}.ckpt"))
-        results[name] = {"global_step": trainer.global_step, "losses": recorder.losses}
-    return results
+        for name, source, state_dict_type, policy, epochs in RESUMES
+    }
 
 
 # ------------------------------------------------------------------------------------- fixtures
