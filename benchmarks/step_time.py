@@ -1,7 +1,7 @@
 """Step time and memory of flatshard against torch FSDP1, torch FSDP2 and DDP, in one run.
 
 Every contender trains the same GPT (``examples/gpt/model.py``) from the same seed on the same random
-token batches, on ``--world-size`` ranks (default 2), each contender in freshly spawned processes with a
+token batches, on ``--world-size`` ranks (default: 2 on CPU, every GPU on CUDA), each contender in freshly spawned processes with a
 fresh process group (gloo on CPU, NCCL with one GPU per rank on CUDA). Per contender it records the
 median wall time of a training step (forward + loss + backward + ``AdamW.step()`` + ``zero_grad()``,
 measured with ``time.perf_counter`` after a barrier), tokens/s, peak RSS per rank during training (and on
@@ -10,7 +10,7 @@ contender trained the same model.
 
     python benchmarks/step_time.py --preset cpu-small
     python benchmarks/step_time.py --preset cpu-large --steps 5 --warmup 2
-    python benchmarks/step_time.py --preset cuda-1b            # needs 2 GPUs
+    python benchmarks/step_time.py --preset cuda-1b            # every GPU; on 1 GPU: no communication
 
 Writes ``docs/bench/step_time_<preset>.json`` and ``.png`` (see ``benchmarks/README.md``).
 """
@@ -683,7 +683,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks (default: 2 on CPU; on CUDA every visible GPU, one rank each; with 1 GPU the\n"
+        "sharded contenders have nothing to communicate, which measures their compute and memory overheads)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument(
@@ -764,6 +770,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [c for c in contenders if c not in ALL_CONTENDERS]
     if unknown:
         raise SystemExit(f"unknown contender(s) {unknown}; choose from {', '.join(ALL_CONTENDERS)}")
+    if cfg["world_size"] is None:
+        cuda = cfg["device"] == "cuda" and torch.cuda.is_available()
+        cfg["world_size"] = torch.cuda.device_count() if cuda else 2
     ws = cfg["world_size"]
     backend = "gloo"
     if cfg["device"] == "cuda":
