@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +13,18 @@ from lightning.fabric import Fabric
 import flatshard  # registers the strategy names
 from flatshard.testing import spawn
 from flatshard.testing.models import TinyGPT, make_batch
+
+
+def _refuses_absent_entry(fabric: Fabric, path: Path, state: dict[str, Any]) -> None:
+    """A strict load asking for an entry the checkpoint lacks fails before anything changes."""
+    model, optimizer = state["model"], state["optimizer"].optimizer
+    before = flatshard.get_state_dict(model, optimizer, rank0_only=False)
+    with pytest.raises(KeyError, match="absent"):
+        fabric.load(path, {**state, "absent": 1})
+    after = flatshard.get_state_dict(model, optimizer, rank0_only=False)
+    for k, v in before[0].items():
+        assert torch.equal(after[0][k], v), k
+    assert after[1]["state"].keys() == before[1]["state"].keys() and state["step"] == 0
 
 
 def _run(rank: int, world: int, tmp: str) -> dict[str, float]:
@@ -59,6 +72,7 @@ def _run(rank: int, world: int, tmp: str) -> dict[str, float]:
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     fresh, fresh_opt = fabric.setup(fresh, fresh_opt)
     state = {"model": fresh, "optimizer": fresh_opt, "step": 0}
+    _refuses_absent_entry(fabric, path, state)
     fabric.load(path, state)
     idx, tgt = make_batch(3, 2 * world)
     reference.loss(idx, tgt).backward()
@@ -245,6 +259,7 @@ def _sharded_load(rank: int, world: int, tmp: str) -> dict[str, float]:
     model = fabric.setup_module(TinyGPT())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
     state = {"model": model, "optimizer": optimizer, "step": 0}
+    _refuses_absent_entry(fabric, Path(tmp) / "sharded", state)
     rest = fabric.load(Path(tmp) / "sharded", state)
     expected = torch.load(Path(tmp) / "expected.pt")
     full, optim = flatshard.get_state_dict(model, optimizer.optimizer, rank0_only=False)

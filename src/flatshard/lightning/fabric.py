@@ -29,7 +29,12 @@ from typing_extensions import override
 
 from flatshard.checkpoint import load_into
 from flatshard.checkpoint.files import atomic_save, load_checkpoint_file
-from flatshard.checkpoint.sharded import is_sharded_checkpoint, write_sharded_checkpoint
+from flatshard.checkpoint.sharded import (
+    EXTRA_KEY,
+    ShardedReader,
+    is_sharded_checkpoint,
+    write_sharded_checkpoint,
+)
 from flatshard.engine import shard
 from flatshard.engine.clip import clip_grad_norm_params_
 from flatshard.engine.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -59,6 +64,31 @@ __all__ = ["FlatShardFabricStrategy"]
 log = logging.getLogger(__name__)
 
 _FABRIC_NAMES = "flatshard/fabric"  # which state entries held the module and the optimizers
+
+
+def _check_entries(path: Any, state: dict[str, Any], checkpoint: Any, strict: bool) -> None:
+    """With ``strict``, every entry of ``state`` must be in ``checkpoint`` (checked before anything loads)."""
+    missing = [k for k in state if k not in checkpoint]
+    if strict and missing:
+        raise KeyError(
+            f"Checkpoint {path} has no entries {missing}; nothing was loaded. HINT: pass strict=False to skip "
+            "them."
+        )
+
+
+def _restore_entries(
+    entries: dict[str, Any], checkpoint: dict[str, Any], into: dict[str, Any] | None = None
+) -> None:
+    """Move the checkpoint's value of each entry left in ``entries`` back: into its ``load_state_dict`` if it
+    has one, else into ``into`` (default ``entries``) under its key."""
+    into = entries if into is None else into
+    for key, obj in list(entries.items()):
+        if key not in checkpoint:
+            continue
+        if hasattr(obj, "load_state_dict") and hasattr(obj, "state_dict"):
+            obj.load_state_dict(checkpoint.pop(key))
+        else:
+            into[key] = checkpoint.pop(key)
 
 
 def _unwrap(obj: Any) -> Any:
@@ -325,11 +355,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
         if isinstance(state, Optimizer):
             load_full_optim_state_dict(self._owner(state), state, checkpoint, source=str(path))
             return {}
-        missing = [k for k in state if k not in checkpoint]
-        if strict and missing:
-            raise KeyError(
-                f"Checkpoint {path} has no entries {missing}. HINT: pass strict=False to skip them."
-            )
+        _check_entries(path, state, checkpoint, strict)
         # Validate every module and optimizer entry before changing anything.
         local_optim: dict[str, dict[str, Any]] = {}
         for name, obj in state.items():
@@ -341,7 +367,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
                 local_optim[name] = convert_full_optim_state_dict(
                     self._owner(obj), obj, checkpoint[name], source=f"{path} [{name!r}]"
                 )
-        for name, obj in list(state.items()):
+        for name, obj in state.items():
             if name not in checkpoint:
                 continue
             if isinstance(obj, Module):
@@ -349,10 +375,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
             elif isinstance(obj, Optimizer):
                 checkpoint.pop(name)
                 obj.load_state_dict(local_optim[name])
-            elif hasattr(obj, "load_state_dict") and hasattr(obj, "state_dict"):
-                obj.load_state_dict(checkpoint.pop(name))
-            else:
-                state[name] = checkpoint.pop(name)
+        _restore_entries(state, checkpoint)
         return checkpoint
 
     # ------------------------------------------------------------------ sharded checkpoints
@@ -396,6 +419,10 @@ class FlatShardFabricStrategy(ParallelStrategy):
     def _load_sharded(self, path: Any, state: Any, strict: bool) -> dict[str, Any]:
         name, module, optimizers = self._split_state(state)
         assert module is not None
+        handled = {name, *(n for n, _ in optimizers)}  # entries load_into fills
+        if isinstance(state, dict) and strict:  # before anything changes, like a full file's entries
+            extra = ShardedReader(path).read_objects([EXTRA_KEY])[EXTRA_KEY]
+            _check_entries(path, {k: v for k, v in state.items() if k not in handled}, extra, strict)
         rest = load_into(
             path,
             module,
@@ -404,28 +431,14 @@ class FlatShardFabricStrategy(ParallelStrategy):
             load_optimizer_states=bool(optimizers),
         )
         saved = rest.pop(_FABRIC_NAMES, {})
-        handled = {name, *(n for n, _ in optimizers)}  # entries load_into has filled
         if optimizers and saved.get("optimizers") not in (None, [n for n, _ in optimizers]):
             log.warning(
                 "flatshard: optimizers were saved as %s and loaded into %s, matched by position.",
                 saved.get("optimizers"),
                 [n for n, _ in optimizers],
             )
-        if not isinstance(state, dict):
-            return rest
-        missing = [k for k in state if k not in handled and k not in rest]
-        if strict and missing:
-            raise KeyError(
-                f"Checkpoint {path} has no entries {missing}. HINT: pass strict=False to skip them."
-            )
-        for key in list(state):
-            if key in handled or key not in rest:
-                continue
-            obj = state[key]
-            if hasattr(obj, "load_state_dict") and hasattr(obj, "state_dict"):
-                obj.load_state_dict(rest.pop(key))
-            else:
-                state[key] = rest.pop(key)
+        if isinstance(state, dict):
+            _restore_entries({k: v for k, v in state.items() if k not in handled}, rest, into=state)
         return rest
 
     @classmethod
