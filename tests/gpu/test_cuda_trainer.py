@@ -1,0 +1,103 @@
+"""The Trainer on GPUs (NCCL, one rank per GPU): flatshard under bf16-mixed, 16-mixed (the sharded grad
+scaler) and with CPU offload, against DDP with the same precision flag. Run with `python -m pytest -m gpu`."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+import flatshard
+from flatshard.testing import spawn
+from flatshard.testing.models import Block
+
+from ..lightning.lit_common import LitGPT, LossRecorder, load_ckpt, make_loader, make_trainer, strip_prefix
+
+pytestmark = pytest.mark.gpu
+
+STEPS = 4
+PER_RANK = 2
+
+# name -> (strategy factory, Trainer arguments); SGD keeps the comparison linear in the gradients
+CASES: dict[str, tuple[Any, dict[str, Any]]] = {
+    "ddp_bf16": (lambda: "ddp", {"precision": "bf16-mixed"}),
+    "flatshard_bf16": (
+        lambda: flatshard.FlatShardStrategy(auto_wrap_policy={Block}),
+        {"precision": "bf16-mixed"},
+    ),
+    "ddp_16": (lambda: "ddp", {"precision": "16-mixed", "gradient_clip_val": 0.5}),
+    "flatshard_16": (
+        lambda: flatshard.FlatShardStrategy(auto_wrap_policy={Block}),
+        {"precision": "16-mixed", "gradient_clip_val": 0.5},
+    ),
+    "flatshard_offload_bf16": (
+        lambda: flatshard.FlatShardStrategy(auto_wrap_policy={Block}, cpu_offload=True),
+        {"precision": "bf16-mixed"},
+    ),
+}
+
+
+def _train_all(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    torch.cuda.set_device(rank)
+    results: dict[str, Any] = {}
+    for name, (make_strategy, extra) in CASES.items():
+        model = LitGPT(optimizer="sgd", lr=0.1)
+        recorder = LossRecorder()
+        trainer = make_trainer(
+            world, make_strategy(), accelerator="gpu", max_epochs=1, callbacks=[recorder], **extra
+        )
+        trainer.fit(model, make_loader(STEPS, PER_RANK * world, world))
+        trainer.save_checkpoint(os.path.join(out_dir, f"{name}.ckpt"))
+        shards = [s.handle.sharded for s in flatshard.engine.unit_states(model.model) if s.handle is not None]
+        results[name] = {
+            "losses": recorder.losses,
+            "plugin": type(trainer.strategy.precision_plugin).__name__,
+            "shard_devices": sorted({str(t.device.type) for t in shards}),
+            "pinned": all(t.is_pinned() for t in shards)
+            if shards and shards[0].device.type == "cpu"
+            else None,
+        }
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    directory = tmp_path_factory.mktemp("cuda_trainer")
+    ranks = spawn(_train_all, torch.cuda.device_count(), str(directory), backend="nccl", timeout=900)
+    return {"ranks": ranks, "ckpt": {n: load_ckpt(directory / f"{n}.ckpt") for n in CASES}}
+
+
+def _close(ours: str, theirs: str, runs: dict[str, Any], tol: float) -> None:
+    mine, peer = runs["ranks"][0][ours], runs["ranks"][0][theirs]
+    assert len(mine["losses"]) == len(peer["losses"]) == STEPS
+    for a, b in zip(mine["losses"], peer["losses"]):
+        assert abs(a - b) <= tol * max(1.0, abs(b)), (ours, mine["losses"], peer["losses"])
+    state = strip_prefix(runs["ckpt"][ours]["state_dict"])
+    for key, value in strip_prefix(runs["ckpt"][theirs]["state_dict"]).items():
+        assert state[key].dtype == value.dtype, (key, state[key].dtype, value.dtype)
+        if value.is_floating_point():  # fp32 master weights in both checkpoints
+            assert value.dtype == torch.float32, (key, value.dtype)
+            torch.testing.assert_close(state[key], value, atol=tol, rtol=tol, msg=key)
+        else:
+            assert torch.equal(state[key], value), key
+
+
+@pytest.mark.timeout(900)
+def test_bf16_mixed_matches_ddp_on_gpus(runs: dict[str, Any]) -> None:
+    _close("flatshard_bf16", "ddp_bf16", runs, tol=2e-2)
+    assert runs["ranks"][0]["flatshard_bf16"]["plugin"] == "FlatShardPrecision"
+    assert runs["ranks"][0]["flatshard_bf16"]["shard_devices"] == ["cuda"]
+
+
+@pytest.mark.timeout(900)
+def test_fp16_mixed_with_the_sharded_scaler_matches_ddp_on_gpus(runs: dict[str, Any]) -> None:
+    _close("flatshard_16", "ddp_16", runs, tol=2e-2)
+
+
+@pytest.mark.timeout(900)
+def test_cpu_offload_keeps_pinned_shards_and_matches_ddp(runs: dict[str, Any]) -> None:
+    _close("flatshard_offload_bf16", "ddp_bf16", runs, tol=2e-2)
+    offload = runs["ranks"][0]["flatshard_offload_bf16"]
+    assert offload["shard_devices"] == ["cpu"] and offload["pinned"] is True
