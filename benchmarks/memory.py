@@ -158,7 +158,10 @@ def run(rank: int, world: int, cfg: dict[str, Any], count_activations: bool) -> 
     model = _build_model(cfg)
     info["num_params"] = sum(p.numel() for p in model.parameters())  # tied embedding/head once
     info["rss_after_build_kib"] = _rss_kib()
-    flatshard.shard(model, sharding_strategy="FULL_SHARD", auto_wrap_policy={Block})
+    prefetch = None if cfg["backward_prefetch"] == "none" else cfg["backward_prefetch"]
+    flatshard.shard(
+        model, sharding_strategy="FULL_SHARD", auto_wrap_policy={Block}, backward_prefetch=prefetch
+    )
     layouts = [s.handle.layout for s in unit_states(model) if s.handle is not None]
     info["unit_numels"] = [lay.total_numel for lay in layouts]  # unsharded, the root unit first
     info["unit_padded_numels"] = [lay.padded_numel for lay in layouts]
@@ -451,6 +454,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=2, help="sequences per rank")
     p.add_argument("--steps", type=int, default=3, help="training steps (peak over all of them)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument(
+        "--backward-prefetch",
+        choices=["BACKWARD_PRE", "BACKWARD_POST", "none"],
+        default="BACKWARD_PRE",
+        help="flatshard's backward_prefetch (default: its default); none shows what prefetching holds",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take")
     p.add_argument(
@@ -477,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": "cpu",
         "optimizer": "AdamW(lr=1e-4), other defaults",
         "sharding": "flatshard FULL_SHARD, auto_wrap_policy={Block}, fp32",
+        "backward_prefetch": args.backward_prefetch,
     }
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     machine = machine_info(base_cfg)
