@@ -13,8 +13,8 @@ was issued, when the worker ran it and when the training thread blocked in ``wai
 * **overlapped**: transport time during which the training thread was not blocked, i.e. computing or
   issuing more work, and its share of transport time.
 
-It does so for three prefetch settings (no prefetch, ``backward_prefetch=BACKWARD_PRE``, the default,
-and BACKWARD_PRE with ``forward_prefetch=True``) and prints the first timed step of rank 0 as a timeline.
+It does so for four prefetch settings (no prefetch, ``backward_prefetch=BACKWARD_POST``, ``BACKWARD_PRE``
+(the default), and BACKWARD_PRE with ``forward_prefetch=True``) and prints the first timed step of rank 0 as a timeline.
 
 **CUDA** (``--device cuda``, needs 2+ GPUs: NCCL cannot place two ranks on one GPU): ``torch.profiler``
 traces the timed steps on rank 0 and the summary compares NCCL kernels (all-gather, reduce-scatter)
@@ -51,6 +51,7 @@ from step_time import PRESETS, REPO, _build_model, _make_batches, machine_info  
 SETTINGS = {
     # name: (backward_prefetch, forward_prefetch)
     "no prefetch": (None, False),
+    "BACKWARD_POST": ("BACKWARD_POST", False),
     "BACKWARD_PRE (default)": ("BACKWARD_PRE", False),
     "BACKWARD_PRE + forward_prefetch": ("BACKWARD_PRE", True),
 }

@@ -24,16 +24,22 @@ def _run(rank: int, world: int) -> None:
     del os.environ["FLATSHARD_SHM"]
     has_shm = shm.shm_group(groups["shm"]) is not None
     x, y = make_batch(0, 2)
-    for name, pg in groups.items():
+    for (name, pg), prefetch in zip(groups.items(), ("BACKWARD_PRE", "BACKWARD_POST")):
         torch.manual_seed(0)
-        model = flatshard.shard(TinyGPT(n_layer=2), auto_wrap_policy={Block}, process_group=pg)
+        model = flatshard.shard(
+            TinyGPT(n_layer=2), auto_wrap_policy={Block}, process_group=pg, backward_prefetch=prefetch
+        )
+        # a first iteration records the order that prefetching follows from then on
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
         units = sum(1 for s in flatshard.engine.unit_states(model) if s.handle is not None)
         comm.comm_stats.clear()
         with comm.timeline() as records:
             torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
         kinds = [r.kind for r in records]
-        # FULL_SHARD: gathered for forward (the root stays gathered into backward), again for backward
-        assert kinds.count("all_gather") == 2 * units - 1, (name, kinds)
+        # FULL_SHARD: gathered for forward (the root stays gathered into backward), again for backward;
+        # no prefetch gathers a unit whose backward already ran (the root's gradient is complete last)
+        assert kinds.count("all_gather") == 2 * units - 1, (name, prefetch, kinds)
+        assert kinds[-1] != "all_gather", (name, prefetch, kinds)
         assert kinds.count("reduce_scatter") == units, (name, kinds)
         for kind in ("all_gather", "reduce_scatter"):
             assert sum(r.nbytes for r in records if r.kind == kind) == comm.comm_stats[kind]

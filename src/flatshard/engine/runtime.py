@@ -72,6 +72,15 @@ class RootContext:
         if state is not None and state.handle is not None:
             state.handle.unshard(self.streams, self.limiter)
 
+    def prefetch_backward(self, state: UnitState | None) -> None:
+        """Gather the unit whose backward comes next, unless its backward already began in this pass.
+
+        The recorded order can name a unit that already ran: a root whose tied embedding is used first in
+        forward completes its gradient last, after every block, and the order puts the last block after it.
+        """
+        if state is not None and state.training_state is not TrainingState.BACKWARD:
+            self.unshard(state)
+
     def finish_oldest_reduction(self) -> None:
         handle, inflight = self.pending.popleft()
         handle.finish_grad(inflight, self.streams)
@@ -264,7 +273,7 @@ class UnitState:
         if self.handle is not None:
             ctx.unshard(self)
         if first_time and self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-            ctx.unshard(ctx.order.next_backward(self))  # overlaps this unit's backward compute
+            ctx.prefetch_backward(ctx.order.next_backward(self))  # overlaps this unit's backward compute
         if self.handle is not None:
             self.handle.wait_unshard(ctx.streams)
             if self.recompute_inside:
@@ -295,7 +304,7 @@ class UnitState:
         if handle.all_require_grad:
             handle.reshard(ctx.streams, ctx.limiter)
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-            ctx.unshard(ctx.order.next_backward(self))
+            ctx.prefetch_backward(ctx.order.next_backward(self))
 
 
 def get_unit_state(module: nn.Module) -> UnitState | None:
