@@ -13,7 +13,14 @@ import flatshard
 from flatshard.testing import spawn
 from flatshard.testing.models import Block
 
-from ..lightning.lit_common import LitGPT, LossRecorder, load_ckpt, make_loader, make_trainer, strip_prefix
+from ..lightning.lit_common import (
+    LitGPT,
+    LossRecorder,
+    assert_runs_close,
+    load_ckpt,
+    make_loader,
+    make_trainer,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -70,18 +77,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _close(ours: str, theirs: str, runs: dict[str, Any], tol: float) -> None:
-    mine, peer = runs["ranks"][0][ours], runs["ranks"][0][theirs]
-    assert len(mine["losses"]) == len(peer["losses"]) == STEPS
-    for a, b in zip(mine["losses"], peer["losses"]):
-        assert abs(a - b) <= tol * max(1.0, abs(b)), (ours, mine["losses"], peer["losses"])
-    state = strip_prefix(runs["ckpt"][ours]["state_dict"])
-    for key, value in strip_prefix(runs["ckpt"][theirs]["state_dict"]).items():
-        assert state[key].dtype == value.dtype, (key, state[key].dtype, value.dtype)
-        if value.is_floating_point():  # fp32 master weights in both checkpoints
-            assert value.dtype == torch.float32, (key, value.dtype)
-            torch.testing.assert_close(state[key], value, atol=tol, rtol=tol, msg=key)
-        else:
-            assert torch.equal(state[key], value), key
+    assert_runs_close(runs, ours, theirs, STEPS, tol)
+    state = runs["ckpt"][ours]["state_dict"]
+    assert {v.dtype for v in state.values() if v.is_floating_point()} == {torch.float32}  # fp32 masters
 
 
 @pytest.mark.timeout(900)

@@ -164,6 +164,22 @@ def assert_same_optimizer_state(actual: dict[str, Any], expected: dict[str, Any]
                 assert got == value, (what, idx, key, got, value)
 
 
+def assert_runs_close(runs: dict[str, Any], ours: str, theirs: str, steps: int, tol: float) -> None:
+    """Two recorded runs (``runs["ranks"][0][name]["losses"]``, ``runs["ckpt"][name]``) agree to ``tol``:
+    losses step by step, and every checkpoint entry in dtype, and in value (floats within ``tol``)."""
+    mine, peer = runs["ranks"][0][ours], runs["ranks"][0][theirs]
+    assert len(mine["losses"]) == len(peer["losses"]) == steps
+    for a, b in zip(mine["losses"], peer["losses"]):
+        assert abs(a - b) <= tol * max(1.0, abs(b)), (ours, mine["losses"], peer["losses"])
+    state = strip_prefix(runs["ckpt"][ours]["state_dict"])
+    for key, value in strip_prefix(runs["ckpt"][theirs]["state_dict"]).items():
+        assert state[key].dtype == value.dtype, (key, state[key].dtype, value.dtype)
+        if value.is_floating_point():
+            torch.testing.assert_close(state[key].float(), value.float(), atol=tol, rtol=tol, msg=key)
+        else:
+            assert torch.equal(state[key], value), key
+
+
 def fit_and_save(
     world: int,
     strategy: Any,

@@ -21,7 +21,7 @@ from flatshard.lightning.precision import FlatShardGradScaler, FlatShardPrecisio
 from flatshard.testing import spawn
 from flatshard.testing.models import Block
 
-from .lit_common import LitGPT, LossRecorder, load_ckpt, make_loader, make_trainer, strip_prefix
+from .lit_common import LitGPT, LossRecorder, assert_runs_close, load_ckpt, make_loader, make_trainer
 
 STEPS = 4
 PER_RANK = 2
@@ -90,16 +90,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _close(flatshard_run: str, ddp_run: str, runs: dict[str, Any], tol: float) -> None:
-    mine, peer = runs["ranks"][0][flatshard_run], runs["ranks"][0][ddp_run]
-    assert len(mine["losses"]) == len(peer["losses"]) == STEPS
-    for a, b in zip(mine["losses"], peer["losses"]):
-        assert abs(a - b) <= tol * max(1.0, abs(b)), (flatshard_run, mine["losses"], peer["losses"])
-    ours = strip_prefix(runs["ckpt"][flatshard_run]["state_dict"])
-    theirs = strip_prefix(runs["ckpt"][ddp_run]["state_dict"])
-    for key, value in theirs.items():
-        assert ours[key].dtype == value.dtype, (key, ours[key].dtype, value.dtype)
-        if value.is_floating_point():
-            torch.testing.assert_close(ours[key].float(), value.float(), atol=tol, rtol=tol, msg=key)
+    assert_runs_close(runs, flatshard_run, ddp_run, STEPS, tol)
 
 
 @pytest.mark.timeout(300)
