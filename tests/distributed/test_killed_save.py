@@ -87,6 +87,7 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 def _run_until_killed_mid_save(kind: str, path: Path, markers: Path) -> dict[str, Any]:
     """Start the worker, kill it during a save after the first one; return what was on disk at that moment."""
     log = markers / "worker.log"
+    semaphores = set(Path("/dev/shm").glob("sem.mp-*"))
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, str(WORKER), kind, str(path), str(markers), str(MAX_SAVES)],
@@ -113,6 +114,10 @@ def _run_until_killed_mid_save(kind: str, path: Path, markers: Path) -> dict[str
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         _kill_group(proc)
+        # The group's multiprocessing resource tracker died with it, so nothing unlinks the named
+        # semaphores its ranks created: remove what appeared while it ran (nothing else makes them here).
+        for leftover in set(Path("/dev/shm").glob("sem.mp-*")) - semaphores:
+            leftover.unlink(missing_ok=True)
     done = sorted(int(p.stem.split("-")[1]) for p in markers.glob("done-*.json"))
     last = done[-1]
     return {
