@@ -46,7 +46,7 @@ if str(BENCH_DIR) not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from step_time import PRESETS, REPO, _build_model, _make_batches, machine_info  # noqa: E402
+from step_time import PRESETS, REPO, _build_model, _make_batches, _median, machine_info  # noqa: E402
 
 SETTINGS = {
     # name: (backward_prefetch, forward_prefetch)
@@ -91,7 +91,6 @@ def summarize_cpu_step(records: list[Any], t0: int, t1: int) -> dict[str, Any]:
             "transport_ms": busy / 1e6,
             "blocked_ms": blocked / 1e6,
             "overlapped_ms": hidden / 1e6,
-            "overlapped_share": hidden / busy if busy else None,
         }
     return out
 
@@ -146,12 +145,6 @@ def run_cpu(rank: int, world: int, cfg: dict[str, Any], setting: str) -> dict[st
             if not first_timeline:
                 first_timeline = _timeline_rows(records, t0)
     return {"steps": steps, "timeline": first_timeline if rank == 0 else []}
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
 def aggregate(per_rank: list[dict[str, Any]]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ Both load into a sharded module on any world size and wrap policy, and both are 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -127,16 +127,29 @@ def load_into(
     strict: bool = True,
     load_optimizer_states: bool = True,
     weights_only: bool | None = None,
+    required: Collection[str] = (),
 ) -> dict[str, Any]:
     """The loader behind the strategies: dispatch on the format, validate everything, then apply.
 
-    Returns the checkpoint dict without ``state_dict`` / ``optimizer_states``.
+    Returns the checkpoint dict without ``state_dict`` / ``optimizer_states``. Entries named in
+    ``required`` must be in it: a ``KeyError`` before anything is applied otherwise.
     """
     if Path(path).is_dir() or (
         not Path(path).exists() and Path(path).parent.joinpath(f".{Path(path).name}.flatshard-old").is_dir()
     ):
-        return _load_sharded(Path(path), module, optimizers, strict, load_optimizer_states)
-    return _load_full(Path(path), module, optimizers, strict, load_optimizer_states, weights_only)
+        return _load_sharded(Path(path), module, optimizers, strict, load_optimizer_states, required)
+    return _load_full(Path(path), module, optimizers, strict, load_optimizer_states, weights_only, required)
+
+
+def _check_required(path: Path, extra: Mapping[str, Any], required: Collection[str]) -> None:
+    """Raise before anything is applied if the checkpoint lacks an entry the caller needs (every rank reads
+    the same checkpoint, so every rank raises alike)."""
+    missing = [k for k in required if k not in extra]
+    if missing:
+        raise KeyError(
+            f"Checkpoint {path} has no entries {missing}; nothing was loaded. HINT: pass strict=False to skip "
+            "them."
+        )
 
 
 def _agree(error: BaseException | None) -> None:
@@ -177,6 +190,7 @@ def _load_full(
     strict: bool,
     with_optim: bool,
     weights_only: bool | None,
+    required: Collection[str],
 ) -> dict[str, Any]:
     error: BaseException | None = None
     checkpoint: dict[str, Any] = {}
@@ -202,10 +216,12 @@ def _load_full(
     except ValueError as err:
         error = CheckpointError(str(err))
     _agree(error)
+    extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    _check_required(path, extra, required)
     load_full_model_state_dict(module, checkpoint["state_dict"], strict=strict, source=str(path))
     for opt, local in zip(optimizers, local_optim):
         opt.load_state_dict(local)
-    return {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    return extra
 
 
 # ---------------------------------------------------------------------------------------------- sharded
@@ -359,6 +375,7 @@ def _load_sharded(
     optimizers: Sequence[torch.optim.Optimizer],
     strict: bool,
     with_optim: bool,
+    required: Collection[str],
 ) -> dict[str, Any]:
     error: BaseException | None = None
     reader: ShardedReader | None = None
@@ -390,6 +407,9 @@ def _load_sharded(
     _agree(error)
     assert reader is not None
     objects = reader.read(targets)
+    extra = objects.get("extra", {})
+    extra = dict(extra) if isinstance(extra, Mapping) else {}
+    _check_required(path, extra, required)
     # Apply: every value is in memory and checked; from here on nothing can fail for a data reason.
     live = local_param_targets(module)
     model_state: dict[str, Any] = {}
@@ -411,8 +431,7 @@ def _load_sharded(
                 module, opt, {"state": state, "param_groups": groups[k]}, source=f"{path}", copy=False
             )
         )
-    extra = objects.get("extra", {})
-    return dict(extra) if isinstance(extra, Mapping) else {}
+    return extra
 
 
 # ---------------------------------------------------------------------------------------------- consolidate

@@ -8,7 +8,7 @@ one full checkpoint file (plain model and optimizer state dicts).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -29,12 +29,7 @@ from typing_extensions import override
 
 from flatshard.checkpoint import load_into
 from flatshard.checkpoint.files import atomic_save, load_checkpoint_file
-from flatshard.checkpoint.sharded import (
-    EXTRA_KEY,
-    ShardedReader,
-    is_sharded_checkpoint,
-    write_sharded_checkpoint,
-)
+from flatshard.checkpoint.sharded import is_sharded_checkpoint, write_sharded_checkpoint
 from flatshard.engine import shard
 from flatshard.engine.clip import clip_grad_norm_params_
 from flatshard.engine.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -66,29 +61,18 @@ log = logging.getLogger(__name__)
 _FABRIC_NAMES = "flatshard/fabric"  # which state entries held the module and the optimizers
 
 
-def _check_entries(path: Any, state: dict[str, Any], checkpoint: Any, strict: bool) -> None:
-    """With ``strict``, every entry of ``state`` must be in ``checkpoint`` (checked before anything loads)."""
-    missing = [k for k in state if k not in checkpoint]
-    if strict and missing:
-        raise KeyError(
-            f"Checkpoint {path} has no entries {missing}; nothing was loaded. HINT: pass strict=False to skip "
-            "them."
-        )
-
-
 def _restore_entries(
-    entries: dict[str, Any], checkpoint: dict[str, Any], into: dict[str, Any] | None = None
+    state: dict[str, Any], checkpoint: dict[str, Any], skip: Collection[str | None] = ()
 ) -> None:
-    """Move the checkpoint's value of each entry left in ``entries`` back: into its ``load_state_dict`` if it
-    has one, else into ``into`` (default ``entries``) under its key."""
-    into = entries if into is None else into
-    for key, obj in list(entries.items()):
-        if key not in checkpoint:
+    """Move the checkpoint's value of each entry of ``state`` (but those in ``skip``) back: into its
+    ``load_state_dict`` if it has one, else into ``state`` under its key."""
+    for key, obj in list(state.items()):
+        if key in skip or key not in checkpoint:
             continue
         if hasattr(obj, "load_state_dict") and hasattr(obj, "state_dict"):
             obj.load_state_dict(checkpoint.pop(key))
         else:
-            into[key] = checkpoint.pop(key)
+            state[key] = checkpoint.pop(key)
 
 
 def _unwrap(obj: Any) -> Any:
@@ -355,7 +339,12 @@ class FlatShardFabricStrategy(ParallelStrategy):
         if isinstance(state, Optimizer):
             load_full_optim_state_dict(self._owner(state), state, checkpoint, source=str(path))
             return {}
-        _check_entries(path, state, checkpoint, strict)
+        missing = [k for k in state if k not in checkpoint]
+        if strict and missing:
+            raise KeyError(
+                f"Checkpoint {path} has no entries {missing}; nothing was loaded. HINT: pass strict=False to "
+                "skip them."
+            )
         # Validate every module and optimizer entry before changing anything.
         local_optim: dict[str, dict[str, Any]] = {}
         for name, obj in state.items():
@@ -420,15 +409,14 @@ class FlatShardFabricStrategy(ParallelStrategy):
         name, module, optimizers = self._split_state(state)
         assert module is not None
         handled = {name, *(n for n, _ in optimizers)}  # entries load_into fills
-        if isinstance(state, dict) and strict:  # before anything changes, like a full file's entries
-            extra = ShardedReader(path).read_objects([EXTRA_KEY])[EXTRA_KEY]
-            _check_entries(path, {k: v for k, v in state.items() if k not in handled}, extra, strict)
+        others = [k for k in state if k not in handled] if isinstance(state, dict) else []
         rest = load_into(
             path,
             module,
             [opt for _, opt in optimizers],
             strict=strict,
             load_optimizer_states=bool(optimizers),
+            required=others if strict else (),  # checked before anything changes
         )
         saved = rest.pop(_FABRIC_NAMES, {})
         if optimizers and saved.get("optimizers") not in (None, [n for n, _ in optimizers]):
@@ -438,7 +426,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
                 [n for n, _ in optimizers],
             )
         if isinstance(state, dict):
-            _restore_entries({k: v for k, v in state.items() if k not in handled}, rest, into=state)
+            _restore_entries(state, rest, skip=handled)
         return rest
 
     @classmethod
