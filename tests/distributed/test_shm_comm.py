@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 import flatshard
 from flatshard.engine import comm, shm
+from flatshard.engine.shard import unit_states
 from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT, make_batch
 
@@ -38,6 +40,22 @@ def _train(model: torch.nn.Module, rank: int, world: int, local: bool) -> list[f
     return losses
 
 
+def _count_packs(model: torch.nn.Module) -> list[int]:
+    """A one-element list counting the model's packed flat gradients (``FlatParamHandle.pack_grads``)."""
+    count = [0]
+    for state in unit_states(model):
+        handle = state.handle
+        if handle is not None:
+            original = handle.pack_grads
+
+            def counted(grads: Any, original: Any = original) -> torch.Tensor:
+                count[0] += 1
+                return original(grads)
+
+            handle.pack_grads = counted  # type: ignore[method-assign]
+    return count
+
+
 def _run_both_transports(rank: int, world: int, strategy: str) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -56,7 +74,12 @@ def _run_both_transports(rank: int, world: int, strategy: str) -> None:
         )
         for name, pg in (("shm", shm_pg), ("gloo", gloo_pg))
     }
+    packed = {name: _count_packs(m) for name, m in models.items()}
     losses = {name: _train(m, rank, world, local=False) for name, m in models.items()}
+    # Over shared memory a sharded unit's gradient is reduce-scattered from autograd's own tensors; gloo
+    # needs it packed into one flat buffer, and so does NO_SHARD (the packed buffer is the gradient).
+    assert packed["gloo"] == [STEPS * (1 + 2)], packed  # the root and two blocks, every step
+    assert packed["shm"] == [0 if strategy != "NO_SHARD" else STEPS * 3]
     ref_losses = _train(reference, rank, world, local=True)
     torch.testing.assert_close(losses["shm"], losses["gloo"], rtol=1e-6, atol=1e-6)
     mean = torch.tensor(losses["shm"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flatshard.engine.flat_param import FlatLayout, flatten_tensors, split_flat
+from flatshard.engine.flat_param import FlatLayout, FlatPieces, flatten_tensors, split_flat
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
@@ -57,3 +57,39 @@ def test_rejects_bad_world_and_rank() -> None:
         FlatLayout((torch.Size([2]),), 0)
     with pytest.raises(ValueError, match="outside the shard group"):
         FlatLayout((torch.Size([2]),), 2).shard_range(2)
+
+
+def _pieces_and_dense(seed: int) -> tuple[FlatPieces, torch.Tensor]:
+    """Random pieces with gaps (one empty, one non-contiguous) and the dense tensor they stand for."""
+    g = torch.Generator().manual_seed(seed)
+    numel, dense, pieces = 97, torch.zeros(97), []
+    for offset, shape in [(0, (3, 4)), (15, (0,)), (15, (5,)), (30, (6, 5)), (80, (2,))]:
+        t = torch.randn(shape[::-1], generator=g).t() if len(shape) == 2 else torch.randn(shape, generator=g)
+        pieces.append((offset, t))
+        dense[offset : offset + t.numel()] = t.reshape(-1)
+    return FlatPieces(numel, torch.float32, torch.device("cpu"), pieces), dense
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_flat_pieces_read_like_the_dense_tensor(seed: int) -> None:
+    pieces, dense = _pieces_and_dense(seed)
+    assert pieces.numel() == 97 and pieces.element_size() == 4
+    assert torch.equal(pieces.materialize(torch.full((97,), 5.0)), dense)
+    for start in range(0, 97, 7):  # every window, including ones inside a gap or a piece
+        for length in {min(k, 97 - start) for k in (0, 1, 6, 19, 97)}:
+            dst = torch.full((length,), 5.0)
+            pieces.copy_into(dst, start)
+            assert torch.equal(dst, dense[start : start + length])
+            acc = torch.arange(length, dtype=torch.float32)
+            pieces.add_into(acc, start)
+            assert torch.equal(acc, torch.arange(length, dtype=torch.float32) + dense[start : start + length])
+
+
+def test_flat_pieces_convert_dtype_and_reject_overlaps() -> None:
+    half = torch.tensor([1.5, -2.25], dtype=torch.bfloat16)
+    out = FlatPieces(4, torch.float32, torch.device("cpu"), [(1, half)]).materialize(torch.empty(4))
+    assert torch.equal(out, torch.tensor([0.0, 1.5, -2.25, 0.0]))
+    with pytest.raises(ValueError, match="overlaps"):
+        FlatPieces(8, torch.float32, torch.device("cpu"), [(0, torch.ones(4)), (3, torch.ones(2))])
+    with pytest.raises(ValueError, match="runs past 8"):
+        FlatPieces(8, torch.float32, torch.device("cpu"), [(6, torch.ones(3))])

@@ -24,7 +24,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from flatshard.engine import shm
+from flatshard.engine import memory, shm
+from flatshard.engine.flat_param import FlatPieces
 
 __all__ = [
     "CollectiveTiming",
@@ -133,6 +134,15 @@ def _shm_for(group: ProcessGroup | None, *tensors: torch.Tensor) -> shm.ShmGroup
     return shm.shm_group(group)
 
 
+def reads_pieces(group: ProcessGroup | None) -> bool:
+    """Whether :func:`reduce_scatter_flat` reads a :class:`FlatPieces` input in place on ``group``.
+
+    True on the shared-memory transport; elsewhere the pieces would be packed into one buffer first.
+    Collective the first time a group is used, like any flat collective (see ``shm.shm_group``).
+    """
+    return shm.shm_group(group) is not None
+
+
 def all_gather_flat(
     output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None, async_op: bool = True
 ) -> Pending:
@@ -152,11 +162,12 @@ def all_gather_flat(
 
 
 def reduce_scatter_flat(
-    output: torch.Tensor, full: torch.Tensor, group: ProcessGroup | None, async_op: bool = True
+    output: torch.Tensor, full: torch.Tensor | FlatPieces, group: ProcessGroup | None, async_op: bool = True
 ) -> Pending:
     """Sum ``full`` over ranks and keep this rank's slice in ``output``.
 
-    ``full`` may be overwritten (used as scratch by the fallback path).
+    ``full`` may be overwritten (used as scratch by the fallback path). Given as :class:`FlatPieces`, the
+    shared-memory transport reads the pieces directly; the other transports get it packed first.
     """
     world = _group_size(group)
     if full.numel() != output.numel() * world:
@@ -164,6 +175,11 @@ def reduce_scatter_flat(
             f"reduce_scatter_flat: input has {full.numel()} elements, expected {output.numel()} x {world}."
         )
     nbytes = full.numel() * full.element_size()
+    if isinstance(full, FlatPieces):
+        channel = _shm_for(group, output) if full.device.type == "cpu" else None
+        if channel is not None:
+            return _issued("reduce_scatter", nbytes, output, channel.reduce_scatter(output, full), async_op)
+        full = full.materialize(memory.empty_flat(full.numel(), full.dtype, full.device))
     channel = _shm_for(group, output, full)
     if channel is not None:
         return _issued("reduce_scatter", nbytes, output, channel.reduce_scatter(output, full), async_op)

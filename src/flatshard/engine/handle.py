@@ -9,8 +9,18 @@ The unit keeps the user's own ``nn.Parameter`` objects (so optimizers built befo
   its shape; otherwise it is 1-D, possibly empty, the same rule on every rank so param groups agree.
   Gradients are views into the local gradient shard, laid out the same way.
 - UNSHARDED (inside a unit's forward and backward): the module attributes are replaced by plain tensor
-  views of ``_flat``, the gathered flat parameter, an autograd leaf. Gradients of all the unit's
-  parameters accumulate into ``_flat.grad`` in one flat buffer, ready to reduce-scatter without a copy.
+  views of ``_flat``, the gathered flat parameter. The trainable views come out of one autograd node
+  (see [Note: gradients of a unit]).
+
+[Note: gradients of a unit]
+The trainable views are the outputs of one :class:`_UnflattenViews` node, whose only differentiable
+input is ``_grad_anchor``, a scalar leaf of the handle's own. Autograd runs the node once all the
+views' gradients are complete; its backward keeps those per-parameter tensors on the handle and gives
+the anchor a zero. The anchor's post-accumulate hook then fires exactly once per backward, after every
+node of the unit (also when the unit ran more than once in forward), and is the unit's post-backward.
+There the gradient is reduced: packed into one flat buffer for the collectives that need one, or, on
+the shared-memory transport, read piece by piece (:class:`~flatshard.engine.flat_param.FlatPieces`), so
+the unsharded gradient exists once, not twice (autograd's tensors plus a packed copy).
 
 [Note: freeing gathered storage]
 ``_flat`` is allocated once and only its storage is resized: to zero when resharded, back to full when
@@ -32,7 +42,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils.weak import WeakIdKeyDictionary
 
 from flatshard.engine import comm, memory
-from flatshard.engine.flat_param import FlatLayout, ShardInfo, flatten_tensors, split_flat
+from flatshard.engine.flat_param import FlatLayout, FlatPieces, ShardInfo, flatten_tensors, split_flat
 from flatshard.engine.limiter import AllGatherLimiter
 from flatshard.engine.precision import UnitPrecision, reduce_divisors
 from flatshard.engine.streams import CommContext
@@ -53,26 +63,32 @@ class _InFlight(NamedTuple):
 
     pending: comm.Pending
     event: Any | None  # recorded on the side stream after the collective; None on CPU
-    keepalive: torch.Tensor | None  # an input the side stream reads, alive until waited for
+    keepalive: torch.Tensor | FlatPieces | None  # an input the collective reads, alive until waited for
 
 
-def _reduce_scatter_into(handle: FlatParamHandle, out: torch.Tensor, full: torch.Tensor) -> comm.Pending:
+def _reduce_scatter_into(
+    handle: FlatParamHandle, out: torch.Tensor, full: torch.Tensor | FlatPieces
+) -> comm.Pending:
     return comm.reduce_scatter_flat(out, full, handle.shard_group)
 
 
-def _all_reduce_into(handle: FlatParamHandle, out: torch.Tensor, full: torch.Tensor) -> comm.Pending:
+def _all_reduce_into(
+    handle: FlatParamHandle, out: torch.Tensor, full: torch.Tensor | FlatPieces
+) -> comm.Pending:
     return comm.all_reduce_flat(out, handle.replicate_group)
 
 
 class _UnflattenViews(torch.autograd.Function):
     """The trainable parameters' views of a gathered flat parameter, as one autograd node.
 
-    Backward hands the views' gradients to :meth:`FlatParamHandle.flat_grad_from_views`, which packs
-    them into a flat buffer it allocates; that buffer becomes ``_flat.grad``.
+    Differentiable only through ``anchor``: backward keeps the views' gradients on the handle
+    (:meth:`FlatParamHandle.stash_view_grads`) and gives the anchor a zero. See [Note: gradients of a unit].
     """
 
     @staticmethod
-    def forward(ctx: Any, flat: torch.Tensor, handle: FlatParamHandle) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, anchor: torch.Tensor, flat: torch.Tensor, handle: FlatParamHandle
+    ) -> tuple[torch.Tensor, ...]:
         ctx.handle = handle
         ctx.set_materialize_grads(False)
         views = split_flat(flat, handle.layout)
@@ -80,8 +96,10 @@ class _UnflattenViews(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None]:
-        return ctx.handle.flat_grad_from_views(grads), None
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None, None]:
+        handle = ctx.handle
+        handle.stash_view_grads(grads)
+        return torch.zeros_like(handle.grad_anchor), None, None
 
 
 class HandleState(enum.Enum):
@@ -220,7 +238,9 @@ class FlatParamHandle:
             memory.free_storage(self._gather)
         self._flat: torch.Tensor = torch.empty(0, dtype=compute, device=device)
         self._flat.data = self._gather
-        self._flat.requires_grad_(self.any_requires_grad)
+        # See [Note: gradients of a unit]: the unit's post-backward hook goes on this scalar leaf.
+        self.grad_anchor = torch.zeros((), device=device, requires_grad=self.any_requires_grad)
+        self._view_grads: list[torch.Tensor | None] | None = None  # this backward's, until post-backward
         # The gradient shard (1-D, like _sharded). Held strongly only during a backward pass; between
         # passes the parameters' .grad views keep it alive, so zero_grad(set_to_none=True) frees it.
         self._sharded_grad: torch.Tensor | None = None
@@ -252,21 +272,44 @@ class FlatParamHandle:
     def use_unsharded_views(self) -> None:
         """Put views of the gathered flat parameter on the modules (tracked by autograd if grad is on).
 
-        Trainable views come from :class:`_UnflattenViews`, whose backward writes their gradients into
-        one flat buffer and notes which parameters took part: a parameter no rank used keeps
+        Trainable views come from :class:`_UnflattenViews`, whose backward keeps their gradients for the
+        post-backward hook and notes which parameters took part: a parameter no rank used keeps
         ``grad=None``, as it would without sharding (see :meth:`assign_grads`).
         """
         untracked = split_flat(self._flat.detach(), self.layout)
         views: list[torch.Tensor] = list(untracked)
         if torch.is_grad_enabled() and self.any_requires_grad:
-            tracked = _UnflattenViews.apply(self._flat, self)
+            tracked = _UnflattenViews.apply(self.grad_anchor, self._flat, self)
             for i, view in zip(self._trainable, tracked, strict=True):
                 views[i] = view
         for i, view in enumerate(views):
             for module, name in self.aliases[i]:
                 module._parameters[name] = view  # type: ignore[assignment]
 
-    def flat_grad_from_views(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    def stash_view_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Keep the trainable views' gradients of one :class:`_UnflattenViews` node until post-backward.
+
+        A unit that ran twice in forward has two nodes: their gradients are added per parameter.
+        """
+        for i, grad in zip(self._trainable, grads, strict=True):
+            if grad is not None:
+                self._used[i] = True
+        kept = self._view_grads
+        if kept is None:
+            self._view_grads = list(grads)
+            return
+        for k, grad in enumerate(grads):
+            if grad is not None:
+                kept[k] = grad if kept[k] is None else kept[k] + grad  # type: ignore[operator]
+
+    def take_view_grads(self) -> list[torch.Tensor | None] | None:
+        """The gradients kept by :meth:`stash_view_grads` since the last call (``None``: no node ran)."""
+        grads, self._view_grads = self._view_grads, None
+        if self.grad_anchor.grad is not None:
+            self.grad_anchor.grad = None
+        return grads
+
+    def pack_grads(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """One padded flat gradient from the trainable views' gradients (``None``: not used, zeros).
 
         The buffer is allocated here (on the compute stream) rather than by autograd, so large CPU
@@ -278,11 +321,39 @@ class FlatParamHandle:
         for i, grad in zip(self._trainable, grads, strict=True):
             if grad is not None:
                 pieces[i].copy_(grad)
-                written[i] = self._used[i] = True
+                written[i] = True
         for i, done in enumerate(written):
             if not done:
                 pieces[i].zero_()
         flat[self.layout.total_numel :].zero_()
+        return flat
+
+    def gradient_to_reduce(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor | FlatPieces:
+        """What :meth:`reduce_grad` reduces: these gradients plus what ``no_sync`` kept.
+
+        Left in autograd's per-parameter tensors (:class:`FlatPieces`) for a reduce-scatter on the
+        shared-memory transport that needs no cast and no scaling of them first; packed into one flat
+        buffer otherwise.
+        """
+        reduce_dtype = self.precision.reduce
+        pre, _ = reduce_divisors(self.shard_world * self.replicate_world, reduce_dtype)
+        if (
+            self.shard_world > 1
+            and self.device.type == "cpu"
+            and not self.has_unsynced
+            and pre == 1.0
+            and reduce_dtype == self._flat.dtype
+            and comm.reads_pieces(self.shard_group)
+        ):
+            offsets = self.layout.offsets
+            return FlatPieces(
+                self.layout.padded_numel,
+                reduce_dtype,
+                self.device,
+                [(offsets[i], g) for i, g in zip(self._trainable, grads, strict=True) if g is not None],
+            )
+        flat = self.with_unsynced(self.pack_grads(grads))
+        assert flat is not None
         return flat
 
     # ------------------------------------------------------------------ gather / free
@@ -351,11 +422,6 @@ class FlatParamHandle:
         self.state = HandleState.SHARDED
 
     # ------------------------------------------------------------------ gradients
-    def take_flat_grad(self) -> torch.Tensor | None:
-        grad = self._flat.grad
-        self._flat.grad = None
-        return grad
-
     def keep_unsynced(self, flat_grad: torch.Tensor) -> None:
         """Inside ``no_sync``: add an unsharded flat gradient to the ones kept since the last reduction."""
         if self._unsynced_grad is None:
@@ -376,13 +442,19 @@ class FlatParamHandle:
     def has_unsynced(self) -> bool:
         return self._unsynced_grad is not None
 
-    def reduce_grad(self, flat_grad: torch.Tensor, streams: CommContext | None = None) -> _InFlight:
+    def reduce_grad(
+        self, flat_grad: torch.Tensor | FlatPieces, streams: CommContext | None = None
+    ) -> _InFlight:
         """Start reducing an unsharded flat gradient to this rank's gradient shard (a SUM; see finish_grad).
 
         ``flat_grad`` is kept alive in the returned record until :meth:`finish_grad` has waited. Under
         mixed precision it is cast to the reduce dtype first, and part of the average is taken before
-        the reduction in 16-bit dtypes (:func:`~flatshard.engine.precision.reduce_divisors`).
+        the reduction in 16-bit dtypes (:func:`~flatshard.engine.precision.reduce_divisors`). Given as
+        :class:`FlatPieces` (see :meth:`gradient_to_reduce`) it needs neither and is reduce-scattered.
         """
+        if isinstance(flat_grad, FlatPieces):
+            out = memory.empty_flat(self._sharded.numel(), flat_grad.dtype, self.device)
+            return _InFlight(_reduce_scatter_into(self, out, flat_grad), None, flat_grad)
         reduce_dtype = self.precision.reduce
         if flat_grad.dtype != reduce_dtype:
             flat_grad = flat_grad.to(reduce_dtype)

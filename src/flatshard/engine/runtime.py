@@ -9,8 +9,8 @@
    first thing), and reshards at once under ``no_grad`` / ``inference_mode``.
 3. Pre-backward (a hook on the unit's outputs fired): gather again if the unit was resharded; the first
    one of a backward pass queues the end-of-backward callback.
-4. Post-backward (``_flat``'s gradient is fully accumulated): start the reduce-scatter asynchronously and
-   reshard. Units holding frozen parameters reshard at the end of backward instead, since frozen views
+4. Post-backward (the unit's gradients are complete; see [Note: gradients of a unit]): finish the
+   previous unit's reduction, start this one's asynchronously and reshard. Units holding frozen parameters reshard at the end of backward instead, since frozen views
    are not part of ``_flat``'s gradient and may still be used to compute input gradients.
 5. End of backward: wait for every reduction, accumulate into the gradient shards, reshard whatever is
    still gathered, reset per-iteration state.
@@ -42,8 +42,9 @@ log = logging.getLogger(__name__)
 
 STATE_ATTR = "_flatshard_state"
 
-# Gradient reductions allowed in flight before the oldest is finished: one overlaps the next unit's
-# backward; each in flight keeps a full-size unsharded gradient alive, so more would only add memory.
+# Gradient reductions in flight while a unit's backward runs: one overlaps the next unit's backward. It is
+# finished before the next unit's gradient is taken, so one unsharded gradient is alive at a time; each
+# more in flight would keep another alive.
 _MAX_PENDING_REDUCTIONS = 1
 
 
@@ -90,14 +91,15 @@ class RootContext:
         while self.pending:
             self.finish_oldest_reduction()
         for handle in self.handles:
-            leftover = handle.take_flat_grad()
+            grads = handle.take_view_grads()  # left by a node whose post-backward did not fire (defensive)
+            leftover = handle.pack_grads(grads) if grads is not None else None
             if not handle.sync_grads:
                 if leftover is not None:
                     handle.keep_unsynced(leftover)
                 continue
             if handle.has_unsynced and not handle.grad_this_backward:
                 leftover = handle.with_unsynced(leftover)  # kept by no_sync; unused in this backward
-            if leftover is not None:  # gradient arrived without the post-backward hook (defensive)
+            if leftover is not None:
                 handle.finish_grad(handle.reduce_grad(leftover, self.streams), self.streams)
         reduced = [h for h in self.handles if h.grad_this_backward]
         for handle, used in zip(reduced, _used_anywhere(reduced)):
@@ -177,7 +179,9 @@ class UnitState:
         self._hook_handles.append(m.register_forward_hook(self._post_forward, always_call=True))
         handle = self.handle
         if handle is not None and handle.any_requires_grad:
-            self._hook_handles.append(handle.flat.register_post_accumulate_grad_hook(self._post_backward))
+            self._hook_handles.append(
+                handle.grad_anchor.register_post_accumulate_grad_hook(self._post_backward)
+            )
 
     # ------------------------------------------------------------------ lazy init
     def _lazy_init(self) -> None:
@@ -282,25 +286,26 @@ class UnitState:
                 with torch.enable_grad():
                     self.handle.use_unsharded_views()
 
-    def _post_backward(self, flat: torch.Tensor) -> None:
+    def _post_backward(self, anchor: torch.Tensor) -> None:
         handle, ctx = self.handle, self.ctx
         if handle is None or ctx is None:
             raise RuntimeError(
                 f"{_rank_prefix()}post-backward hook fired on an uninitialised unit {self.module!r}."
             )
-        grad = handle.take_flat_grad()
-        if grad is None:
+        grads = handle.take_view_grads()
+        if grads is None:
             return
+        # The reduction in flight had this unit's backward to finish in: wait for it now, before this
+        # gradient is packed or sent, so the previous unit's unsharded gradient is freed first.
+        while len(ctx.pending) >= _MAX_PENDING_REDUCTIONS:
+            ctx.finish_oldest_reduction()
         if not handle.sync_grads:  # see [Note: no_sync]
-            handle.keep_unsynced(grad)
+            handle.keep_unsynced(handle.pack_grads(grads))
             if handle.all_require_grad:
                 handle.reshard(ctx.streams, ctx.limiter)
             return
-        grad = handle.with_unsynced(grad)
-        assert grad is not None
+        grad = handle.gradient_to_reduce(grads)
         ctx.pending.append((handle, handle.reduce_grad(grad, ctx.streams)))
-        while len(ctx.pending) > _MAX_PENDING_REDUCTIONS:
-            ctx.finish_oldest_reduction()
         if handle.all_require_grad:
             handle.reshard(ctx.streams, ctx.limiter)
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flatshard.engine.flat_param import FlatPieces
 from flatshard.engine.memory import libc
 
 __all__ = [
@@ -273,15 +274,20 @@ class ShmGroup:
         """Every rank's ``shard`` into ``output`` (1-D, ``world * len(shard)`` elements), in rank order."""
         return self._issue(self._all_gather, output, shard)
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> ShmWork:
-        """The sum over ranks of slice ``rank`` of ``full`` into ``output`` (``len(full) = world * len(output)``)."""
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor | FlatPieces) -> ShmWork:
+        """The sum over ranks of slice ``rank`` of ``full`` into ``output`` (``len(full) = world * len(output)``).
+
+        ``full`` may be given as :class:`FlatPieces` (a gradient still in autograd's per-parameter tensors):
+        each step copies its part straight into the slot, so no packed copy of it is ever made, and the
+        pieces are released as soon as the collective is done.
+        """
         return self._issue(self._reduce_scatter, output, full)
 
     def all_reduce(self, tensor: torch.Tensor) -> ShmWork:
         """The sum over ranks of ``tensor``, in place (every rank adds in rank order: equal results)."""
         return self._issue(self._all_reduce, tensor)
 
-    def _issue(self, fn: Callable[..., None], *tensors: torch.Tensor) -> ShmWork:
+    def _issue(self, fn: Callable[..., None], *tensors: torch.Tensor | FlatPieces) -> ShmWork:
         work = ShmWork()
         if self._broken is not None:  # an earlier collective failed: the ranks are out of step
             work._finish(RuntimeError(f"flatshard shared-memory collectives stopped: {self._broken}"))
@@ -404,21 +410,27 @@ class ShmGroup:
                 if r != self.rank:
                     output[r * n + c0 : r * n + c1].copy_(self._at(r, slot, 0, c1 - c0, dtype))
 
-    def _reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> None:
+    def _reduce_scatter(self, output: torch.Tensor, full: torch.Tensor | FlatPieces) -> None:
         n, dtype, world, me = output.numel(), output.dtype, self.world, self.rank
+        source = full if isinstance(full, FlatPieces) else FlatPieces.of(full)
         per = self._per_step(dtype, world)
         part = per * dtype.itemsize  # bytes of the part of a slot meant for one destination
         for c0, c1, slot in self._steps(n, per):
             m = c1 - c0
             for r in range(world):
                 if r != me:
-                    self._mine(slot, r * part, m, dtype).copy_(full[r * n + c0 : r * n + c1])
+                    source.copy_into(self._mine(slot, r * part, m, dtype), r * n + c0)
             self._publish_and_wait(1, n, dtype)
-            terms = [
-                full[me * n + c0 : me * n + c1] if r == me else self._at(r, slot, me * part, m, dtype)
-                for r in range(world)
-            ]
-            _sum_into(output[c0:c1], terms)
+            out = output[c0:c1]
+            for r in range(world):  # added in rank order, as _sum_into does
+                if r == me:
+                    (source.copy_into if r == 0 else source.add_into)(out, me * n + c0)
+                elif r == 0:
+                    out.copy_(self._at(r, slot, me * part, m, dtype))
+                else:
+                    out.add_(self._at(r, slot, me * part, m, dtype))
+        if source is full:  # autograd's gradients: free them now, not when the training thread waits
+            source.release()
 
     def _all_reduce(self, tensor: torch.Tensor) -> None:
         n, dtype = tensor.numel(), tensor.dtype
