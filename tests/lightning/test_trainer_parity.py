@@ -99,6 +99,18 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         lambda rank: LitGPT(),
         {"accumulate_grad_batches": 2},
     ),
+    # A root unit of 8.4 MB: its gradient shards (4.2 MB) are mapped blocks, which accumulate like heap ones
+    # (SGD: AdamW would turn rounding differences of near-zero gradients into 1e-5 weight differences).
+    "ddp_accumulate_wide": (
+        lambda: "ddp",
+        lambda rank: LitGPT(vocab=8192, d_model=256, optimizer="sgd", lr=0.5),
+        {"accumulate_grad_batches": 2},
+    ),
+    "flatshard_accumulate_wide": (
+        lambda: flatshard.FlatShardStrategy(auto_wrap_policy={Block}),
+        lambda rank: LitGPT(vocab=8192, d_model=256, optimizer="sgd", lr=0.5),
+        {"accumulate_grad_batches": 2},
+    ),
     "flatshard_offload": (lambda: "flatshard_offload", lambda rank: LitGPT(), {}),
     "flatshard_checkpoint_units": (
         lambda: flatshard.FlatShardStrategy(
@@ -269,6 +281,7 @@ def test_three_ranks_uneven_shards_match_single_device(
     [
         ("flatshard_accumulate", "ddp_accumulate"),
         ("flatshard_accumulate_no_sync", "ddp_accumulate"),
+        ("flatshard_accumulate_wide", "ddp_accumulate_wide"),
         ("flatshard_frozen", "ddp_frozen"),
         ("flatshard_sync_module_states", "ddp"),
         ("flatshard_offload", "ddp"),

@@ -102,6 +102,26 @@ class _UnflattenViews(torch.autograd.Function):
         return torch.zeros_like(handle.grad_anchor), None, None
 
 
+def _weak_flat(t: torch.Tensor) -> Callable[[], torch.Tensor | None]:
+    """A weak reference to the 1-D tensor ``t`` that lives as long as views of it do.
+
+    Views keep their *base* alive, not an intermediate view: a tensor that is itself a view (a mapped
+    block is ``frombuffer(...).view(shape)``) dies with its last Python reference while the parameters'
+    ``.grad`` views of it live on. So the base is referenced, and ``t`` is rebuilt from it on demand.
+    """
+    base = t if t._base is None else t._base
+    ref = weakref.ref(base)
+    numel, offset = t.numel(), t.storage_offset()
+    if t.dim() != 1 or (numel > 1 and t.stride(0) != 1):
+        raise ValueError(f"expected a contiguous 1-D gradient shard, got shape {tuple(t.shape)}.")
+
+    def get() -> torch.Tensor | None:
+        alive = ref()
+        return None if alive is None else alive.as_strided((numel,), (1,), offset)
+
+    return get
+
+
 class HandleState(enum.Enum):
     SHARDED = "sharded"  # only the local shard exists; modules hold the original Parameters
     UNSHARDED = "unsharded"  # the flat parameter is gathered; modules hold views into it
@@ -549,7 +569,7 @@ class FlatParamHandle:
 
     def reset_backward(self) -> None:
         if self._sharded_grad is not None:
-            self._sharded_grad_ref = weakref.ref(self._sharded_grad)
+            self._sharded_grad_ref = _weak_flat(self._sharded_grad)
             self._sharded_grad = None
         self._grad_this_backward = False
         self._used = [False] * len(self.params)
