@@ -29,8 +29,12 @@ def _run(rank: int, world: int, strategy: str) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     reference = _model()
+    strategy, _, offload = strategy.partition("+")
     model = flatshard.shard(
-        copy.deepcopy(reference), sharding_strategy=strategy, auto_wrap_policy={nn.Linear}
+        copy.deepcopy(reference),
+        sharding_strategy=strategy,
+        auto_wrap_policy={nn.Linear},
+        cpu_offload=offload == "offload",
     )
     mapped: list[bool] = []
     for state in unit_states(model):
@@ -47,6 +51,10 @@ def _run(rank: int, world: int, strategy: str) -> None:
             local = x[rank * PER_RANK : (rank + 1) * PER_RANK]
             (model(local).square().mean() / MICRO).backward()
             (reference(x).square().mean() / MICRO).backward()
+        with flatshard.unshard_params(model, with_grads=True):  # the gradient shards behind .grad, gathered
+            for (name, a), b in zip(model.named_parameters(), reference.parameters(), strict=True):
+                assert a.grad is not None, name
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -57,6 +65,6 @@ def _run(rank: int, world: int, strategy: str) -> None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "FULL_SHARD+offload"])
 def test_large_units_match_the_unsharded_model(strategy: str) -> None:
     spawn(_run, 2, strategy)
