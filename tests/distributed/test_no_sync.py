@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import flatshard
-from flatshard.engine import comm, unit_states
+from flatshard.engine import comm, memory, unit_states
 from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT, make_batch
 
@@ -20,7 +20,9 @@ MICRO = 2
 STEPS = 3
 
 
-def _run(rank: int, world: int) -> dict[str, float]:
+def _run(rank: int, world: int, mapped: bool) -> dict[str, float]:
+    if mapped:  # every CPU block a mapping of its own, as for units of 4 MiB and more
+        memory._MIN_BYTES = 1
     out: dict[str, float] = {}
     for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
         for mode in ("sharded", "no_sync"):
@@ -75,9 +77,10 @@ def _run(rank: int, world: int) -> dict[str, float]:
 
 
 @pytest.mark.timeout(300)
-def test_accumulation_both_ways_matches_reference() -> None:
+@pytest.mark.parametrize("mapped", [False, True], ids=["heap", "mapped"])
+def test_accumulation_both_ways_matches_reference(mapped: bool) -> None:
     full_bytes = sum(p.numel() for p in TinyGPT().parameters()) * 4
-    for r in spawn(_run, 2):
+    for r in spawn(_run, 2, mapped):
         for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
             for mode in ("sharded", "no_sync"):
                 assert r[f"{strategy}/{mode}/fp32"] <= 1e-5, (strategy, mode, r)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import flatshard
+from flatshard.engine import memory
 from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT, make_batch
 
@@ -93,7 +94,9 @@ def _run_case(
     return worst_loss, worst_weight
 
 
-def _run_all(rank: int, world: int) -> dict[str, tuple[float, float]]:
+def _run_all(rank: int, world: int, mapped: bool) -> dict[str, tuple[float, float]]:
+    if mapped:  # every CPU block a mapping of its own, as for units of 4 MiB and more
+        memory._MIN_BYTES = 1
     results = {}
     for strategy, wrap, model_kind in itertools.product(STRATEGIES, WRAPS, MODELS):
         results[f"{strategy}/{wrap}/{model_kind}"] = _run_case(rank, world, strategy, wrap, model_kind)
@@ -106,9 +109,11 @@ def _run_all(rank: int, world: int) -> dict[str, tuple[float, float]]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_parity_every_strategy_and_wrap(world_size: int) -> None:
-    per_rank = spawn(_run_all, world_size)
+@pytest.mark.parametrize(
+    ("world_size", "mapped"), [(1, False), (2, False), (3, False), (4, False), (3, True)]
+)
+def test_parity_every_strategy_and_wrap(world_size: int, mapped: bool) -> None:
+    per_rank = spawn(_run_all, world_size, mapped)
     for rank, results in enumerate(per_rank):
         assert len(results) == len(STRATEGIES) * len(WRAPS) * len(MODELS) + 2 * 2 * (len(PREFETCH) - 1)
         for case, (loss_err, weight_err) in results.items():
