@@ -14,13 +14,14 @@ The unit keeps the user's own ``nn.Parameter`` objects (so optimizers built befo
 
 [Note: gradients of a unit]
 The trainable views are the outputs of one :class:`_UnflattenViews` node, whose only differentiable
-input is ``_grad_anchor``, a scalar leaf of the handle's own. Autograd runs the node once all the
+input is ``grad_anchor``, a scalar leaf of the handle's own. Autograd runs the node once all the
 views' gradients are complete; its backward keeps those per-parameter tensors on the handle and gives
 the anchor a zero. The anchor's post-accumulate hook then fires exactly once per backward, after every
 node of the unit (also when the unit ran more than once in forward), and is the unit's post-backward.
 There the gradient is reduced: packed into one flat buffer for the collectives that need one, or, on
 the shared-memory transport, read piece by piece (:class:`~flatshard.engine.flat_param.FlatPieces`), so
-the unsharded gradient exists once, not twice (autograd's tensors plus a packed copy).
+the unsharded gradient exists once, not twice (autograd's tensors plus a packed copy), and is freed as
+soon as the transport has read it.
 
 [Note: freeing gathered storage]
 ``_flat`` is allocated once and only its storage is resized: to zero when resharded, back to full when

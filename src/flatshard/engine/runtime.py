@@ -10,8 +10,9 @@
 3. Pre-backward (a hook on the unit's outputs fired): gather again if the unit was resharded; the first
    one of a backward pass queues the end-of-backward callback.
 4. Post-backward (the unit's gradients are complete; see [Note: gradients of a unit]): finish the
-   previous unit's reduction, start this one's asynchronously and reshard. Units holding frozen parameters reshard at the end of backward instead, since frozen views
-   are not part of ``_flat``'s gradient and may still be used to compute input gradients.
+   previous unit's reduction, start this one's asynchronously and reshard. Units holding frozen
+   parameters reshard at the end of backward instead, since frozen views are not outputs of the
+   unit's gradient node and may still be used to compute input gradients.
 5. End of backward: wait for every reduction, accumulate into the gradient shards, reshard whatever is
    still gathered, reset per-iteration state.
 """
