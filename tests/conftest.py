@@ -1,9 +1,14 @@
-"""Test configuration: GPU-marked tests run only where CUDA is available."""
+"""Test configuration: GPU-marked tests run only where CUDA is available; spawned ranks fork from a server
+that imported torch once (see [Note: start method] in ``flatshard.testing.harness``)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+os.environ.setdefault("FLATSHARD_TEST_START_METHOD", "forkserver")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

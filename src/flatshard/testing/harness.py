@@ -5,6 +5,13 @@ process group on a free localhost port, runs ``fn(rank, world_size, *args)`` wit
 per rank, and returns the list of per-rank return values. If any rank raises, the first failure is
 re-raised in the caller with that rank's traceback; ranks still waiting in a collective are killed.
 ``fn`` and its arguments must be picklable (module-level functions).
+
+[Note: start method]
+Ranks start with the ``spawn`` method by default: a fresh interpreter that imports torch (about 3 s of
+CPU per rank). ``FLATSHARD_TEST_START_METHOD=forkserver`` (the test suite sets it) forks them instead from
+one server process that imported torch and flatshard once; the caller's current environment is passed
+along and applied in each rank. Keep ``spawn`` where a rank must start with settings read at process
+start (``MALLOC_*`` for glibc, thread-pool variables): the benchmarks do.
 """
 
 from __future__ import annotations
@@ -26,6 +33,20 @@ class DistributedTestError(RuntimeError):
     """A rank of a spawned run failed; the message holds that rank's traceback."""
 
 
+_WHOLE_ENV = "__FLATSHARD_WHOLE_ENV__"
+_PRELOAD = ["torch", "torch.distributed", "flatshard"]
+
+
+def _context(method: str | None) -> Any:
+    method = method or os.environ.get("FLATSHARD_TEST_START_METHOD", "spawn")
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(f"start method {method!r}: use 'spawn' or 'forkserver'.")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)  # only read when the server starts (once per process)
+    return ctx
+
+
 def find_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -42,6 +63,8 @@ def _worker(
     env: dict[str, str],
     results: Any,
 ) -> None:
+    if env.pop(_WHOLE_ENV, None) is not None:  # forked from the server: take the caller's environment
+        os.environ.clear()
     os.environ.update(env)
     os.environ.update(
         {
@@ -76,9 +99,16 @@ def spawn(
     backend: str = "gloo",
     timeout: float = 300.0,
     env: dict[str, str] | None = None,
+    start_method: str | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return per-rank results."""
-    ctx = mp.get_context("spawn")
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return per-rank results.
+
+    ``env`` is added to each rank's environment; ``start_method`` is ``"spawn"`` or ``"forkserver"``
+    (default: ``FLATSHARD_TEST_START_METHOD``, else ``"spawn"``; see [Note: start method]).
+    """
+    ctx = _context(start_method)
+    if ctx.get_start_method() == "forkserver":
+        env = {**os.environ, **(env or {}), _WHOLE_ENV: "1"}
     results = ctx.Queue()
     port = find_free_port()
     procs = [
