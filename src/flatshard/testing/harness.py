@@ -41,6 +41,8 @@ def _context(method: str | None) -> Any:
     method = method or os.environ.get("FLATSHARD_TEST_START_METHOD", "spawn")
     if method not in ("spawn", "forkserver"):
         raise ValueError(f"start method {method!r}: use 'spawn' or 'forkserver'.")
+    if method not in mp.get_all_start_methods():  # no forkserver on Windows
+        method = "spawn"
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)  # only read when the server starts (once per process)
