@@ -141,7 +141,7 @@ def load_into(
     return _load_full(Path(path), module, optimizers, strict, load_optimizer_states, weights_only, required)
 
 
-def _check_required(path: Path, extra: Mapping[str, Any], required: Collection[str]) -> None:
+def check_required(path: str | os.PathLike[str], extra: Mapping[str, Any], required: Collection[str]) -> None:
     """Raise before anything is applied if the checkpoint lacks an entry the caller needs (every rank reads
     the same checkpoint, so every rank raises alike)."""
     missing = [k for k in required if k not in extra]
@@ -217,7 +217,7 @@ def _load_full(
         error = CheckpointError(str(err))
     _agree(error)
     extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-    _check_required(path, extra, required)
+    check_required(path, extra, required)
     load_full_model_state_dict(module, checkpoint["state_dict"], strict=strict, source=str(path))
     for opt, local in zip(optimizers, local_optim):
         opt.load_state_dict(local)
@@ -409,7 +409,7 @@ def _load_sharded(
     objects = reader.read(targets)
     extra = objects.get("extra", {})
     extra = dict(extra) if isinstance(extra, Mapping) else {}
-    _check_required(path, extra, required)
+    check_required(path, extra, required)
     # Apply: every value is in memory and checked; from here on nothing can fail for a data reason.
     live = local_param_targets(module)
     model_state: dict[str, Any] = {}

@@ -27,7 +27,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from flatshard.checkpoint import load_into
+from flatshard.checkpoint import check_required, load_into
 from flatshard.checkpoint.files import atomic_save, load_checkpoint_file
 from flatshard.checkpoint.sharded import is_sharded_checkpoint, write_sharded_checkpoint
 from flatshard.engine import shard
@@ -339,12 +339,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
         if isinstance(state, Optimizer):
             load_full_optim_state_dict(self._owner(state), state, checkpoint, source=str(path))
             return {}
-        missing = [k for k in state if k not in checkpoint]
-        if strict and missing:
-            raise KeyError(
-                f"Checkpoint {path} has no entries {missing}; nothing was loaded. HINT: pass strict=False to "
-                "skip them."
-            )
+        check_required(path, checkpoint, state if strict else ())
         # Validate every module and optimizer entry before changing anything.
         local_optim: dict[str, dict[str, Any]] = {}
         for name, obj in state.items():
