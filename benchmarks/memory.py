@@ -112,16 +112,9 @@ def _rss_split_kib() -> dict[str, int]:
 def _shmem_kib() -> dict[str, int]:
     """Shared-memory pages this process maps: resident (``RssShmem``) and its proportional share
     (``Pss_Shmem``: each page divided by the number of processes mapping it)."""
-    out = {"rss": _proc_status_kib("RssShmem")["RssShmem"] or 0, "pss": 0}
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if name == "Pss_Shmem":
-                    out["pss"] = int(rest.split()[0])
-    except OSError:  # no smaps_rollup: count shared pages fully
-        out["pss"] = out["rss"]
-    return out
+    rss = _proc_status_kib("RssShmem")["RssShmem"] or 0
+    pss = _proc_status_kib("Pss_Shmem", path="/proc/self/smaps_rollup")["Pss_Shmem"]
+    return {"rss": rss, "pss": rss if pss is None else pss}  # no smaps_rollup: count shared pages fully
 
 
 def _phase_peak_kib() -> int:

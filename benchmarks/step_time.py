@@ -86,10 +86,11 @@ MIB = 1024 * 1024
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _proc_status_kib(*keys: str) -> dict[str, int | None]:
+def _proc_status_kib(*keys: str, path: str = "/proc/self/status") -> dict[str, int | None]:
+    """``name: value kB`` lines of a /proc file (``None`` for a missing key or file)."""
     out: dict[str, int | None] = dict.fromkeys(keys)
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
                 name, _, rest = line.partition(":")
                 if name in out:

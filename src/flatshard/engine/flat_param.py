@@ -156,7 +156,7 @@ class FlatPieces:
         return self._numel
 
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def _spans(self, start: int, end: int) -> Iterator[tuple[int, int, torch.Tensor | None]]:
         """``(lo, hi, source)`` covering ``[start, end)`` in order; ``source`` is ``None`` for zeros."""
