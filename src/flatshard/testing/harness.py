@@ -33,7 +33,6 @@ class DistributedTestError(RuntimeError):
     """A rank of a spawned run failed; the message holds that rank's traceback."""
 
 
-_WHOLE_ENV = "__FLATSHARD_WHOLE_ENV__"
 _PRELOAD = ["torch", "torch.distributed", "flatshard"]
 
 
@@ -63,9 +62,10 @@ def _worker(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     env: dict[str, str],
+    whole_env: bool,
     results: Any,
 ) -> None:
-    if env.pop(_WHOLE_ENV, None) is not None:  # forked from the server: take the caller's environment
+    if whole_env:  # forked from the server: ``env`` is the caller's whole environment
         os.environ.clear()
     os.environ.update(env)
     os.environ.update(
@@ -109,14 +109,14 @@ def spawn(
     (default: ``FLATSHARD_TEST_START_METHOD``, else ``"spawn"``; see [Note: start method]).
     """
     ctx = _context(start_method)
-    if ctx.get_start_method() == "forkserver":
-        env = {**os.environ, **(env or {}), _WHOLE_ENV: "1"}
+    whole_env = ctx.get_start_method() == "forkserver"
+    env = {**os.environ, **(env or {})} if whole_env else dict(env or {})
     results = ctx.Queue()
     port = find_free_port()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, world_size, port, backend, fn, args, dict(env or {}), results),
+            args=(rank, world_size, port, backend, fn, args, env, whole_env, results),
             daemon=False,
         )
         for rank in range(world_size)
