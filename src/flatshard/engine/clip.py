@@ -29,6 +29,18 @@ def _accumulate(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     )
 
 
+def _max_over(value: torch.Tensor, group: object) -> torch.Tensor:
+    """The maximum of the scalar ``value`` over ``group``, NaN if any rank's is NaN.
+
+    A MAX reduction may drop a NaN (gloo's keeps whichever operand compares first), so whether some rank
+    holds one travels as a flag of its own.
+    """
+    nan = torch.isnan(value)
+    packed = torch.stack([torch.where(nan, torch.zeros_like(value), value), nan.to(value.dtype)])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    return torch.where(packed[1] > 0, torch.full_like(packed[0], float("nan")), packed[0])
+
+
 def clip_grad_norm_params_(
     parameters: Iterable[torch.Tensor],
     max_norm: float,
@@ -54,9 +66,12 @@ def clip_grad_norm_params_(
     total = _accumulate(local, norm_type)
     for handle, grads in sharded.values():
         part = _accumulate(grads, norm_type).to(handle.device)
-        op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
-        dist.all_reduce(part, op=op, group=handle.shard_group)
-        total = torch.maximum(total, part.cpu()) if norm_type == float("inf") else total + part.cpu()
+        if norm_type == float("inf"):
+            part = _max_over(part, handle.shard_group)
+            total = torch.maximum(total, part.cpu())
+        else:
+            dist.all_reduce(part, op=dist.ReduceOp.SUM, group=handle.shard_group)
+            total = total + part.cpu()
     total_norm = total if norm_type == float("inf") else total ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total_norm):
         raise RuntimeError(
