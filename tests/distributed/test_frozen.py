@@ -93,3 +93,42 @@ def test_lora_units_keep_gradients_for_trainable_parameters_only() -> None:
             assert r[name]["weights"] <= 1e-5 and r[name]["grads"] <= 1e-5, (name, r)
         kept = sum(r[name]["kept"] for r in results)
         assert kept == trainable, (name, kept, trainable, frozen)  # not trainable + frozen
+
+
+def _run_toggling(rank: int, world: int) -> dict[str, float]:
+    """requires_grad changed between steps, as fine-tuning callbacks do: a frozen base unfrozen at step 2, a
+    trainable adapter frozen at step 4; the optimizer holds every parameter from the start."""
+    out: dict[str, float] = {}
+    for wrap in (None, {LoRALinear}):
+        torch.manual_seed(0)
+        reference = LoRANet()
+        model = copy.deepcopy(reference)
+        flatshard.shard(model, auto_wrap_policy=wrap)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        for step in range(6):
+            for net in (model, reference):
+                if step == 2:
+                    net.layers[0].base.requires_grad_(True)
+                if step == 4:
+                    net.layers[2].a.requires_grad_(False)
+            x, y = _batch(step, 2 * world)
+            nn.functional.mse_loss(reference(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            mine = slice(2 * rank, 2 * rank + 2)
+            nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+            assert all(p.grad is None for p in model.parameters() if not p.requires_grad), step
+            opt.step()
+            opt.zero_grad()
+        with flatshard.unshard_params(model):
+            out["blocks" if wrap else "root"] = max(
+                (a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters())
+            )
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_requires_grad_changed_while_training_follows_the_flags() -> None:
+    for r in spawn(_run_toggling, 3):
+        assert r["root"] <= 1e-5 and r["blocks"] <= 1e-5, r

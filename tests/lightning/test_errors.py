@@ -184,6 +184,35 @@ def test_precision_flags_map_onto_flatshard_precision(strategy: str) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "precision, param_dtype, match",
+    [
+        ("bf16-true", "fp32", "keeps the whole model in torch.bfloat16"),
+        ("16-true", "bf16", "keeps the whole model in torch.float16"),
+        ("bf16-mixed", "fp16", "autocast in torch.bfloat16"),
+    ],
+)
+def test_precision_flag_that_contradicts_mixed_precision_is_refused(
+    precision: str, param_dtype: str, match: str
+) -> None:
+    strategy = flatshard.FlatShardStrategy(mixed_precision={"param_dtype": param_dtype})
+    with pytest.raises(ValueError, match=match):
+        _trainer(strategy=strategy, precision=precision)
+    fabric_strategy = flatshard.FlatShardFabricStrategy(mixed_precision={"param_dtype": param_dtype})
+    with pytest.raises(ValueError, match=match):
+        L.Fabric(accelerator="cpu", devices=2, strategy=fabric_strategy, precision=precision)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(300)
+def test_precision_flag_that_agrees_with_mixed_precision_is_accepted() -> None:
+    for precision, param_dtype in (("32-true", "bf16"), ("bf16-mixed", "fp32"), ("bf16-mixed", "bf16")):
+        strategy = flatshard.FlatShardStrategy(mixed_precision={"param_dtype": param_dtype})
+        assert (
+            _trainer(strategy=strategy, precision=precision).strategy.precision_plugin.precision == precision
+        )
+
+
+@pytest.mark.timeout(300)
 def test_empty_init_builds_on_the_meta_device() -> None:
     trainer = _trainer(strategy="flatshard")
     with trainer.init_module(empty_init=True):

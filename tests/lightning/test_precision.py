@@ -11,9 +11,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
 
 import flatshard
@@ -86,7 +88,7 @@ def _train_all(rank: int, world: int, out_dir: str) -> dict[str, Any]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     directory = tmp_path_factory.mktemp("precision")
     ranks = spawn(_train_all, 2, str(directory))
-    return {"ranks": ranks, "ckpt": {n: load_ckpt(directory / f"{n}.ckpt") for n in CASES}}
+    return {"ranks": ranks, "ckpt": {n: load_ckpt(directory / f"{n}.ckpt") for n in CASES}, "dir": directory}
 
 
 def _close(flatshard_run: str, ddp_run: str, runs: dict[str, Any], tol: float) -> None:
@@ -124,6 +126,72 @@ def test_16_mixed_scaler_matches_ddp(runs: dict[str, Any]) -> None:
     assert ours["scaler"] == "FlatShardGradScaler"
     ckpt = runs["ckpt"]["flatshard_16_mixed"]
     assert ckpt["FlatShardPrecision"]["scale"] == runs["ckpt"]["ddp_16_mixed"]["MixedPrecision"]["scale"]
+
+
+@pytest.mark.timeout(300)
+def test_16_mixed_scaler_state_resumes_across_strategies(runs: dict[str, Any]) -> None:
+    """flatshard's loss scale resumes under Lightning's own AMP plugin (ddp / auto) and the other way round."""
+    saved = runs["ckpt"]["flatshard_16_mixed"]["FlatShardPrecision"]
+    plugin = MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**16))
+    trainer = make_trainer(1, "auto", max_epochs=2, plugins=[plugin])
+    trainer.fit(
+        DtypeGPT(), make_loader(STEPS, PER_RANK * 2, 1), ckpt_path=runs["dir"] / "flatshard_16_mixed.ckpt"
+    )
+    assert plugin.scaler is not None and plugin.scaler.get_scale() == saved["scale"] != 2.0**16
+    assert plugin.scaler._get_growth_tracker() == saved["_growth_tracker"] + STEPS  # no overflow in 4 steps
+
+    theirs = runs["ckpt"]["ddp_16_mixed"]
+    ours = FlatShardPrecision("16-mixed", device="cpu", scaler=FlatShardGradScaler("cpu", init_scale=2.0**16))
+    ours.on_load_checkpoint(theirs)
+    assert ours.scaler is not None and ours.scaler.state_dict() == theirs["MixedPrecision"]
+
+
+class RegressionModule(L.LightningModule):
+    """Float inputs and float targets; records the dtypes the steps receive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        self.seen: set[tuple[str, str, str]] = set()
+
+    def _step(self, stage: str, batch: Any) -> torch.Tensor:
+        x, y = batch
+        self.seen.update({(stage, "x", str(x.dtype)), (stage, "y", str(y.dtype))})
+        return torch.nn.functional.mse_loss(self(x).float(), y)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._step("train", batch)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._step("val", batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def _batch_dtypes(rank: int, world: int) -> dict[str, list[tuple[str, str, str]]]:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, 4, generator=g), 1000.0 + torch.randn(16, 1, generator=g))
+    out = {}
+    for name, strategy in (("flatshard", "flatshard"), ("ddp", "ddp")):
+        model = RegressionModule()
+        trainer = make_trainer(world, strategy, max_steps=2, precision="bf16-mixed", limit_val_batches=1)
+        trainer.fit(model, DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
+        out[name] = sorted(model.seen)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_batch_keeps_its_dtypes_under_autocast() -> None:
+    """Under bf16-mixed the batch reaches training_step and validation_step as it came, as under DDP: targets
+    near 1000 cast to bf16 would lose everything below 4. The root unit holds parameters here."""
+    for rank in spawn(_batch_dtypes, 2):
+        assert rank["flatshard"] == rank["ddp"], rank
+        assert {dtype for _, _, dtype in rank["flatshard"]} == {"torch.float32"}, rank
 
 
 def test_metrics_are_never_cast(runs: dict[str, Any]) -> None:

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from flatshard import MixedPrecision, ShardingStrategy
-from flatshard.engine.config import BackwardPrefetch, normalize_backward_prefetch, normalize_sharding_strategy
+from flatshard.engine.config import (
+    BackwardPrefetch,
+    normalize_backward_prefetch,
+    normalize_mixed_precision,
+    normalize_sharding_strategy,
+)
 
 
 @pytest.mark.parametrize("value", ["FULL_SHARD", "full_shard", ShardingStrategy.FULL_SHARD])
@@ -41,3 +46,26 @@ def test_mixed_precision_rejects_non_dtypes() -> None:
 def test_reshard_after_forward_flags() -> None:
     assert ShardingStrategy.FULL_SHARD.reshard_after_forward
     assert not ShardingStrategy.SHARD_GRAD_OP.reshard_after_forward
+
+
+def test_mixed_precision_flags_must_be_bools() -> None:
+    with pytest.raises(TypeError, match=r"keep_low_precision_grads='no'"):
+        MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"cast_forward_inputs=1"):
+        normalize_mixed_precision({"param_dtype": "bf16", "cast_forward_inputs": 1})
+
+
+def test_torch_mixed_precision_keeps_casting_the_inputs() -> None:
+    """torch's default casts the root's inputs (cast_root_forward_inputs=True): never no cast at all."""
+    from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+
+    ours = normalize_mixed_precision(TorchMixedPrecision(param_dtype=torch.bfloat16))
+    assert ours == MixedPrecision(param_dtype=torch.bfloat16, cast_forward_inputs=True)
+    explicit = TorchMixedPrecision(param_dtype=torch.bfloat16, cast_root_forward_inputs=False)
+    assert normalize_mixed_precision(explicit) == MixedPrecision(
+        param_dtype=torch.bfloat16, cast_forward_inputs=False
+    )
+    with pytest.raises(ValueError, match="_module_classes_to_ignore"):
+        normalize_mixed_precision(
+            TorchMixedPrecision(param_dtype=torch.bfloat16, _module_classes_to_ignore=(torch.nn.LayerNorm,))
+        )

@@ -146,3 +146,47 @@ def test_clip_grad_norm_matches_torch() -> None:
         torch.testing.assert_close(ours, theirs)
     for a, b in zip(reference.parameters(), model.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_buffer_dtype_alone_leaves_batch_norm_in_full_precision() -> None:
+    """buffer_dtype without param_dtype: batch-norm statistics stay fp32 (their parameters are fp32), other
+    buffers are cast for compute and return to their dtype in the state dict."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 6)
+            self.bn = nn.BatchNorm1d(6)
+            self.register_buffer("scale", torch.full((6,), 0.5))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(self.lin(x)) * self.scale
+
+    torch.manual_seed(0)
+    reference = Net()
+    model = flatshard.shard(copy.deepcopy(reference), mixed_precision={"buffer_dtype": "bf16"})
+    x = torch.randn(8, 4)
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    assert model.bn.running_mean.dtype == torch.float32 and model.scale.dtype == torch.bfloat16
+    torch.testing.assert_close(model.bn.running_var, reference.bn.running_var)
+    state, _ = flatshard.get_state_dict(model)
+    assert state["scale"].dtype == state["bn.running_mean"].dtype == torch.float32
+
+
+def test_activation_checkpointing_never_checkpoints_the_sharded_module_itself() -> None:
+    """A size policy matches the root (it holds every parameter): only modules below it are checkpointed."""
+    from flatshard.engine.checkpointing import is_checkpointed
+
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    model = flatshard.shard(
+        copy.deepcopy(reference), auto_wrap_policy={Block}, activation_checkpointing_policy=100
+    )
+    assert not is_checkpointed(model)
+    assert any(is_checkpointed(m) for m in model.modules())
+    idx, tgt = make_batch(0, 2)
+    model.loss(idx, tgt).backward()
+    reference.loss(idx, tgt).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

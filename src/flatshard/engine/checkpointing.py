@@ -95,10 +95,13 @@ def is_checkpointed(module: nn.Module) -> bool:
 
 
 def apply_activation_checkpointing(root: nn.Module, check: CheckFn, skip: set[nn.Module]) -> list[nn.Module]:
-    """Checkpoint the outermost modules of ``root`` (itself included) for which ``check`` is true.
+    """Checkpoint the outermost modules below ``root`` for which ``check`` is true.
 
-    Modules in ``skip`` (ignored modules) are left alone, and nothing inside a checkpointed module is
-    checkpointed again. Returns the checkpointed modules.
+    ``root`` itself never is, whatever ``check`` says (as with torch's ``apply_activation_checkpointing``): a
+    size or FSDP-style policy matches it since it holds every parameter, and under Lightning its forward is
+    the training step, which a recomputation must not run again. Modules in ``skip`` (ignored modules) are
+    left alone, and nothing inside a checkpointed module is checkpointed again. Returns the checkpointed
+    modules.
     """
     if not callable(getattr(nn.Module, "_wrapped_call_impl", None)):  # pragma: no cover - torch < 2.1
         raise RuntimeError(
@@ -118,5 +121,7 @@ def apply_activation_checkpointing(root: nn.Module, check: CheckFn, skip: set[nn
         for child in module.children():
             visit(child)
 
-    visit(root)
+    if root not in skip:
+        for child in root.children():
+            visit(child)
     return chosen

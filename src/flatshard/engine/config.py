@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from torch.nn.modules.batchnorm import _BatchNorm
 
 __all__ = [
     "BackwardPrefetch",
@@ -132,6 +133,15 @@ class MixedPrecision:
                 f"MixedPrecision dtypes must be floating point, got {', '.join(not_float)}. HINT: use "
                 "torch.bfloat16, torch.float16 or torch.float32."
             )
+        not_bool = [
+            f"{name}={getattr(self, name)!r}"
+            for name in ("keep_low_precision_grads", "cast_forward_inputs")
+            if not isinstance(getattr(self, name), bool)
+        ]
+        if not_bool:
+            raise TypeError(
+                f"MixedPrecision flags must be bools, got {', '.join(not_bool)}. HINT: pass True or False."
+            )
 
 
 @dataclass(frozen=True)
@@ -178,7 +188,10 @@ def _to_dtype(value: object, field: str) -> torch.dtype | None:
 def normalize_mixed_precision(value: object) -> MixedPrecision | None:
     """``None`` / a :class:`MixedPrecision` / a mapping of its fields (dtypes may be strings) -> ours.
 
-    torch FSDP's ``MixedPrecision`` is accepted too (same field names), for migration.
+    torch FSDP's ``MixedPrecision`` is accepted too (same field names), for migration. Its default casts the
+    root's forward inputs only (``cast_root_forward_inputs=True``, ``cast_forward_inputs=False``); here that
+    becomes ``cast_forward_inputs=True``: every unit casts its floating-point inputs, which changes nothing for
+    inputs already in ``param_dtype`` and keeps an fp32 tensor from meeting low-precision weights in any unit.
     """
     if value is None or isinstance(value, MixedPrecision):
         return value
@@ -198,6 +211,15 @@ def normalize_mixed_precision(value: object) -> MixedPrecision | None:
         raw = dict(value)
     elif all(hasattr(value, f) for f in fields[:3]):
         raw = {f: getattr(value, f) for f in fields if hasattr(value, f)}
+        if getattr(value, "cast_root_forward_inputs", False) is True:  # torch's MixedPrecision: see above
+            raw["cast_forward_inputs"] = True
+        kept = getattr(value, "_module_classes_to_ignore", None)
+        if kept is not None and set(kept) != {_BatchNorm}:
+            raise ValueError(
+                f"mixed_precision._module_classes_to_ignore={tuple(kept)!r}: flatshard keeps batch norms (only) in "
+                "full precision. HINT: leave it at torch's default; to keep another module in full precision, "
+                "shard() it on its own first, without mixed_precision, then the model."
+            )
     else:
         raise TypeError(
             f"mixed_precision must be a flatshard.MixedPrecision, a mapping of its fields or None, got "
@@ -206,9 +228,6 @@ def normalize_mixed_precision(value: object) -> MixedPrecision | None:
     for f in fields[:3]:
         if f in raw:
             raw[f] = _to_dtype(raw[f], f)
-    for f in fields[3:]:
-        if f in raw and not isinstance(raw[f], bool):
-            raise TypeError(f"mixed_precision.{f} must be a bool, got {type(raw[f]).__name__}: {raw[f]!r}.")
     return MixedPrecision(**raw)
 
 

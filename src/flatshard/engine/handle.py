@@ -208,18 +208,12 @@ class FlatParamHandle:
         self.replicate_world = dist.get_world_size(replicate_group) if replicate_group is not None else 1
         self.layout = FlatLayout(tuple(p.shape for p in params), self.shard_world)
         self.shard_infos: tuple[ShardInfo, ...] = self.layout.shard_infos(self.shard_rank)
-        self.requires_grad: list[bool] = [p.requires_grad for p in params]
-        self._trainable: list[int] = [i for i, r in enumerate(self.requires_grad) if r]
-        self.any_requires_grad = any(self.requires_grad)
-        self.all_require_grad = all(self.requires_grad)
-        lo, hi = (  # this rank's range of the flat parameter
+        lo, hi = self._range = (  # this rank's range of the flat parameter
             self.layout.shard_range(self.shard_rank)
             if self.shard_world > 1
             else (0, self.layout.padded_numel)
         )
-        trainable_numel = sum(self.layout.numels[i] for i in self._trainable)
-        # Elements of this rank's gradient shard that belong to trainable parameters (a prefix of it).
-        self._grad_numel = hi - lo if self.all_require_grad else max(0, min(trainable_numel, hi) - lo)
+        self._set_trainable([p.requires_grad for p in params])
         self.state = HandleState.SHARDED
 
         # Sharded over several CPU ranks, the full flat tensor is transient: a mapping of its own returns it
@@ -260,7 +254,7 @@ class FlatParamHandle:
         self._flat: torch.Tensor = torch.empty(0, dtype=compute, device=device)
         self._flat.data = self._gather
         # See [Note: gradients of a unit]: the unit's post-backward hook goes on this scalar leaf.
-        self.grad_anchor = torch.zeros((), device=device, requires_grad=self.any_requires_grad)
+        self.grad_anchor = torch.zeros((), device=device, requires_grad=True)
         self._view_grads: list[torch.Tensor | None] | None = None  # this backward's, until post-backward
         # The gradient shard (1-D, like _sharded). Held strongly only during a backward pass; between
         # passes the parameters' .grad views keep it alive, so zero_grad(set_to_none=True) frees it.
@@ -276,6 +270,30 @@ class FlatParamHandle:
         for p in self.params:
             _PARAM_TO_HANDLE[p] = self
         self.use_sharded_views()
+
+    def _set_trainable(self, flags: list[bool]) -> None:
+        """Record which parameters are trainable, and how much of this rank's gradient shard they need."""
+        self.requires_grad: list[bool] = flags
+        self._trainable: list[int] = [i for i, r in enumerate(flags) if r]
+        self.any_requires_grad = any(flags)
+        self.all_require_grad = all(flags)
+        lo, hi = self._range
+        end = max((self.layout.offsets[i] + self.layout.numels[i] for i in self._trainable), default=0)
+        # Elements of this rank's gradient shard up to the last trainable parameter's (see [Note: frozen
+        # parameters]): at shard() time a prefix holding exactly the trainable ones.
+        self._grad_numel = hi - lo if self.all_require_grad else max(0, min(end, hi) - lo)
+
+    def refresh_requires_grad(self, track_frozen: bool = False) -> None:
+        """Follow ``requires_grad`` changed on the parameters since the last forward (freezing or unfreezing
+        while training); call it before views are put on the modules for a forward (not a recomputation).
+
+        ``track_frozen`` treats every parameter as trainable: their views record gradients, and
+        :meth:`assign_grads` gives them only to parameters that require grad by then (for flags that may
+        still change after the views are made).
+        """
+        flags = [True] * len(self.params) if track_frozen else [p.requires_grad for p in self.params]
+        if flags != self.requires_grad:
+            self._set_trainable(flags)
 
     # ------------------------------------------------------------------ views
     def _shard_piece(self, source: torch.Tensor, i: int) -> torch.Tensor:
@@ -520,7 +538,9 @@ class FlatParamHandle:
         Frozen parameters sit after the trainable ones in the flat parameter, so the trainable part of a
         rank's gradient shard is a prefix of it. Only that prefix is kept (a LoRA-style unit whose large
         frozen weights share it with small adapters keeps gradient memory for the adapters only); the rest
-        of the reduced shard is freed at once. Frozen parameters never get a ``.grad``.
+        of the reduced shard is freed at once. Frozen parameters never get a ``.grad``. ``requires_grad``
+        may change later (unfreezing while training): the layout stays, and the kept part then reaches to
+        the end of the last trainable parameter.
         """
         if grad.numel() != self._grad_numel:
             grad = grad[: self._grad_numel].clone()
@@ -531,7 +551,16 @@ class FlatParamHandle:
         self._grad_this_backward = True
         trainable = self._trainable
         current = self._sharded_grad = self._sharded_grad_ref()
-        if current is None or all(self.params[i].grad is None for i in trainable):
+        if current is not None and current.numel() != grad.numel():  # the trainable set changed since
+            current = None
+        if current is None:  # accumulate into the new shard whatever gradients the parameters hold
+            self._sharded_grad = grad
+            for i in trainable:
+                g = self.params[i].grad
+                if g is not None:
+                    self._shard_piece(grad, i).add_(g.view_as(self._shard_piece(grad, i)))
+            return
+        if all(self.params[i].grad is None for i in trainable):
             self._sharded_grad = grad
             return
         for i in trainable:
@@ -555,13 +584,15 @@ class FlatParamHandle:
         """Point ``.grad`` of parameters some rank used (or that already had a gradient) at the shard.
 
         ``used`` has one flag per trainable parameter, OR-ed over the ranks that share the unit, so every
-        rank decides alike; a parameter nobody used keeps ``grad=None`` and optimizers skip it.
+        rank decides alike; a parameter nobody used keeps ``grad=None`` and optimizers skip it. So does one
+        frozen since its views were made (Lightning's ``toggle_optimizer`` inside a step that is the root's
+        forward): as if autograd had not computed its gradient.
         """
         assert self._sharded_grad is not None
         trainable = self._trainable
         for i, was_used in zip(trainable, used):
             p = self.params[i]
-            if not was_used and p.grad is None:
+            if (not was_used and p.grad is None) or not p.requires_grad:
                 continue
             view = self._shard_piece(self._sharded_grad, i)
             if p.grad is None or p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:

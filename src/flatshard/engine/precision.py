@@ -10,10 +10,14 @@ dtype (``keep_low_precision_grads`` keeps it in ``reduce_dtype``). The dtype rul
 parameter's own (compared, never tested for ``None``).
 
 Floating-point forward inputs of a mixed unit are cast to ``param_dtype`` with ``Tensor.to``, inside
-autograd, so inputs that require grad still receive gradients. Buffers are cast to ``buffer_dtype``
-once, at ``shard()``; state dicts return them in their original dtype. Batch-norm modules run in full
-precision: they become units of their own without mixed precision, their inputs are cast up and their
-outputs cast back to the dtype that came in. torchmetrics ``Metric`` modules are never cast.
+autograd, so inputs that require grad still receive gradients. One exception: a Lightning step routed
+through the root's hooks under autocast (``*-mixed`` flags) is not a module forward, and its batch keeps
+its dtypes (targets, masks), as under DDP; autocast picks the compute dtypes (``UnitState.cast_inputs``).
+Buffers are cast to ``buffer_dtype`` once, at ``shard()``; state dicts return them in their original
+dtype. Batch-norm modules run in full precision whenever ``param_dtype`` or ``buffer_dtype`` is set: their
+buffers are never cast; under ``param_dtype`` they become units of their own without mixed precision, their
+inputs are cast up and their outputs cast back to the dtype that came in. torchmetrics ``Metric`` modules
+are never cast.
 """
 
 from __future__ import annotations

@@ -15,6 +15,19 @@
    unit's gradient node and may still be used to compute input gradients.
 5. End of backward: wait for every reduction, accumulate into the gradient shards, reshard whatever is
    still gathered, reset per-iteration state.
+
+[Note: backward inside a forward]
+Lightning runs ``training_step`` as the root's forward, and manual optimization calls ``backward`` (and
+``optimizer.step``) inside it, possibly more than once, with more forwards in between (two optimizers, a
+GAN). The root's outputs carry no backward hook yet, so the strategy starts the root's backward at the loss
+(``begin_backward_in_forward``); that queues the end-of-backward callback as usual. A unit still inside its
+forward is not resharded by its backward: at the end of backward it stays gathered and gets fresh autograd
+views (``resume_forward``), so the rest of the forward uses it, and reshards when its forward returns. An
+optimizer step in between changes the shards under it: the strategy then gathers it again
+(``refresh_in_forward``), so a second forward in the same step sees the updated weights, as under DDP.
+Such a step may also toggle ``requires_grad`` (``toggle_optimizer``) after the root's views were made, so
+during it the root tracks every parameter (``track_frozen``) and gradients go only to the parameters that
+require grad when the backward ends: a frozen parameter held by the root costs a gradient computation there.
 """
 
 from __future__ import annotations
@@ -105,11 +118,14 @@ class RootContext:
         reduced = [h for h in self.handles if h.grad_this_backward]
         for handle, used in zip(reduced, _used_anywhere(reduced)):
             handle.assign_grads(used)
+        self.callback_queued = False
         for state in self.states:
+            if state.forward_depth > 0:  # see [Note: backward inside a forward]
+                state.resume_forward()
+                continue
             if state.handle is not None:
                 state.handle.reshard(self.streams, self.limiter)
             state.training_state = TrainingState.IDLE
-        self.callback_queued = False
 
 
 def _used_anywhere(handles: list[FlatParamHandle]) -> list[list[bool]]:
@@ -162,6 +178,12 @@ class UnitState:
         self.training_state = TrainingState.IDLE
         self.forward_depth = 0
         self.summoned = False  # inside flatshard.unshard_params: parameters are full, forward is refused
+        # False while a call that is not a module forward runs through this unit's hooks (a Lightning step
+        # under autocast): its arguments are the batch, targets and masks included, and keep their dtypes.
+        self.cast_inputs = True
+        # True while a Lightning step doing manual optimization runs as this root's forward: it may toggle
+        # requires_grad after the root's views were made (see [Note: backward inside a forward]).
+        self.track_frozen = False
         self.recompute_inside = False  # a checkpointed module's parameters belong to this unit
         self._recomputing = False  # this forward is a recomputation inside backward
         self.ctx: RootContext | None = None
@@ -179,7 +201,7 @@ class UnitState:
         )
         self._hook_handles.append(m.register_forward_hook(self._post_forward, always_call=True))
         handle = self.handle
-        if handle is not None and handle.any_requires_grad:
+        if handle is not None:  # also for frozen units: requires_grad may change while training
             self._hook_handles.append(
                 handle.grad_anchor.register_post_accumulate_grad_hook(self._post_backward)
             )
@@ -226,13 +248,16 @@ class UnitState:
             ctx.order.note_pre_forward(self)
             self.training_state = TrainingState.FORWARD
         if self.handle is not None:
+            if not in_backward:
+                self.handle.refresh_requires_grad(self.track_frozen)
             ctx.unshard(self)
             if self.forward_prefetch and not in_backward:
                 ctx.unshard(ctx.order.next_forward(self))  # overlaps this unit's compute
             self.handle.wait_unshard(ctx.streams)
             self.handle.use_unsharded_views()
             precision = self.handle.precision
-            if precision.mixed and precision.cast_forward_inputs:  # see [Note: mixed precision]
+            cast = precision.mixed and precision.cast_forward_inputs and self.cast_inputs
+            if cast:  # see [Note: mixed precision]
                 args, kwargs = (
                     cast_floating(args, precision.compute),
                     cast_floating(kwargs, precision.compute),
@@ -264,6 +289,38 @@ class UnitState:
         if self.is_root:
             ctx.order.finish_forward()
         return output
+
+    def resume_forward(self) -> None:
+        """After a backward that ran inside this unit's forward: stay gathered, with fresh autograd views,
+        for the rest of the forward (see [Note: backward inside a forward])."""
+        self.training_state = TrainingState.FORWARD
+        if self.handle is not None and self.ctx is not None:
+            self.handle.wait_unshard(self.ctx.streams)
+            self.handle.refresh_requires_grad(self.track_frozen)
+            with torch.enable_grad():
+                self.handle.use_unsharded_views()
+
+    def refresh_in_forward(self) -> None:
+        """Gather again every unit of this root that is inside its forward, after an optimizer step changed
+        the shards (see [Note: backward inside a forward]); a collective, like any gather."""
+        ctx = self.ctx
+        if ctx is None or not self.is_root or self.forward_depth == 0:
+            return
+        for state in ctx.states:
+            handle = state.handle
+            if handle is None or state.forward_depth == 0:
+                continue
+            handle.reshard(ctx.streams, ctx.limiter)
+            handle.refresh_requires_grad(state.track_frozen)
+            ctx.unshard(state)
+            handle.wait_unshard(ctx.streams)
+            handle.use_unsharded_views()
+
+    def begin_backward_in_forward(self, tensor: torch.Tensor) -> None:
+        """Call before ``tensor.backward()`` while this root's forward runs (see [Note: backward inside a
+        forward]): its backward starts at ``tensor``, since the forward's outputs carry no hooks yet."""
+        if self.is_root and self.forward_depth > 0 and tensor.requires_grad:
+            tensor.register_hook(self._pre_backward)
 
     # ------------------------------------------------------------------ backward
     def _pre_backward(self, grad: torch.Tensor) -> None:
@@ -302,12 +359,12 @@ class UnitState:
             ctx.finish_oldest_reduction()
         if not handle.sync_grads:  # see [Note: no_sync]
             handle.keep_unsynced(handle.pack_grads(grads))
-            if handle.all_require_grad:
+            if handle.all_require_grad and self.forward_depth == 0:
                 handle.reshard(ctx.streams, ctx.limiter)
             return
         grad = handle.gradient_to_reduce(grads)
         ctx.pending.append((handle, handle.reduce_grad(grad, ctx.streams)))
-        if handle.all_require_grad:
+        if handle.all_require_grad and self.forward_depth == 0:
             handle.reshard(ctx.streams, ctx.limiter)
         if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             ctx.prefetch_backward(ctx.order.next_backward(self))

@@ -153,12 +153,13 @@ def shard(
     managed = {p for m in finished for s in [get_unit_state(m)] if s and s.handle for p in s.handle.params}
     _check_same_hybrid_groups(module, finished, strategy, shard_group, replicate_group)
     unit_modules = select_unit_modules(module, policy, ignored, finished)
-    full_precision: list[nn.Module] = []
-    if mp is not None and mp.param_dtype is not None:
+    full_precision: list[nn.Module] = []  # batch norms: their parameters and buffers are never cast
+    if mp is not None and (mp.param_dtype is not None or mp.buffer_dtype is not None):
         inside_finished = {sub for m in finished for sub in m.modules()}
         full_precision = [m for m in full_precision_modules(module, ignored) if m not in inside_finished]
-        chosen = set(unit_modules) | set(full_precision)
-        unit_modules = [m for m in module.modules() if m in chosen]
+        if mp.param_dtype is not None:  # units of their own, so their parameters are gathered uncast
+            chosen = set(unit_modules) | set(full_precision)
+            unit_modules = [m for m in module.modules() if m in chosen]
     plans = plan_units(module, unit_modules, ignored, finished, managed)
     names = {p: n for n, p in module.named_parameters(remove_duplicate=True)}
     sync_group = dist.group.WORLD if sync_module_states and dist.is_initialized() else None

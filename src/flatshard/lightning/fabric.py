@@ -125,13 +125,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
         device_mesh: Any | None = None,
         start_method: Literal["popen", "spawn"] = "popen",
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-        )
+        # Options first: the precision setter, called by the base __init__, checks the flag against them.
         self.options = StrategyOptions.create(
             sharding_strategy=sharding_strategy,
             auto_wrap_policy=auto_wrap_policy,
@@ -148,6 +142,13 @@ class FlatShardFabricStrategy(ParallelStrategy):
             process_group=process_group,
             device_mesh=device_mesh,
             start_method=start_method,
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
         )
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
@@ -196,6 +197,8 @@ class FlatShardFabricStrategy(ParallelStrategy):
                 f"precision={getattr(precision, 'precision', precision)!r} ({type(precision).__name__}) is not "
                 "supported with flatshard. HINT: use '32-true', 'bf16-mixed', '16-mixed', 'bf16-true' or '16-true'."
             )
+        if precision is not None:  # a flag that contradicts mixed_precision fails here, at Fabric(...)
+            mixed_precision_for(str(getattr(precision, "precision", "32-true")), self.options.mixed_precision)
         self._precision = precision
 
     @override
@@ -220,7 +223,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
             flag = str(getattr(self.precision, "precision", "32-true"))
             kwargs = self.options.shard_kwargs(
                 self.root_device,
-                mixed_precision_for(flag),
+                mixed_precision_for(flag, self.options.mixed_precision),
                 self.num_processes,
                 self.num_nodes * self.num_processes,
             )

@@ -157,12 +157,13 @@ class StrategyOptions:
         ranks_per_node: int = 1,
         world_size: int = 1,
     ) -> dict[str, Any]:
-        """Arguments for ``flatshard.shard`` on ``device``; ``precision`` is the precision plugin's config,
-        used unless ``mixed_precision`` was given explicitly. Hybrid strategies shard within a node
-        (``ranks_per_node``) unless the groups were given."""
+        """Arguments for ``flatshard.shard`` on ``device``; ``precision`` is the engine's config for the
+        precision flag (``mixed_precision_for``, which also honours and checks an explicit
+        ``mixed_precision``). Hybrid strategies shard within a node (``ranks_per_node``) unless the groups
+        were given."""
         return {
             **self._group_kwargs(ranks_per_node, world_size),
-            "mixed_precision": self.mixed_precision if self.mixed_precision is not None else precision,
+            "mixed_precision": precision,
             "sharding_strategy": self.sharding_strategy,
             "auto_wrap_policy": self.auto_wrap_policy,
             "activation_checkpointing_policy": self.activation_checkpointing_policy,

@@ -46,6 +46,7 @@ __all__ = [
 PrecisionFlag = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
 _FLAGS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 _LOW = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32}
+_AMP_KEY = LightningMixedPrecision.__qualname__  # where Lightning's AMP plugin keeps its scaler state
 
 
 class FlatShardGradScaler(torch.amp.GradScaler):
@@ -127,9 +128,9 @@ class FlatShardPrecision(Precision):
         self._true_low = precision.endswith("-true") and low != torch.float32
 
     @property
-    def mixed_precision_config(self) -> MixedPrecision | None:
-        """The engine's :class:`MixedPrecision` this flag stands for (``None``: no dtype change)."""
-        return mixed_precision_for(self.precision)
+    def autocast(self) -> bool:
+        """Whether steps run under ``torch.autocast`` (the ``*-mixed`` flags)."""
+        return self._mixed
 
     @override
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -200,6 +201,23 @@ class FlatShardPrecision(Precision):
         if self.scaler is not None and state_dict:
             self.scaler.load_state_dict(state_dict)
 
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Lightning files state_dict() under this class's name; the scaler's state also goes under the key
+        # Lightning's own AMP plugin reads, so a "16-mixed" run resumed under ddp or auto keeps its scale.
+        if self.scaler is not None:
+            checkpoint[_AMP_KEY] = self.scaler.state_dict()
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # A checkpoint written under ddp / auto (or an old Lightning): its scaler state, if ours is absent.
+        if type(self).__qualname__ in checkpoint:
+            return
+        for key in (_AMP_KEY, "native_amp_scaling_state"):
+            if checkpoint.get(key):
+                self.load_state_dict(checkpoint[key])
+                return
+
 
 @contextmanager
 def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
@@ -237,11 +255,39 @@ def sharded_scaler(given: torch.amp.GradScaler | None, device: str) -> FlatShard
     )
 
 
-def mixed_precision_for(flag: str) -> MixedPrecision | None:
-    """The engine dtypes a ``*-mixed`` precision flag stands for (see [Note: precision flags])."""
-    if not flag.endswith("-mixed"):
-        return None
-    return MixedPrecision(param_dtype=_LOW[flag.split("-")[0]], reduce_dtype=torch.float32)
+def mixed_precision_for(flag: str, given: MixedPrecision | None = None) -> MixedPrecision | None:
+    """The engine dtypes for precision ``flag``: the strategy's ``mixed_precision`` if ``given``, else what a
+    ``*-mixed`` flag stands for (see [Note: precision flags]).
+
+    A ``given`` ``param_dtype`` must agree with the flag: ``*-true`` flags keep the whole model in their dtype
+    (nothing to gather in another), and ``*-mixed`` flags compute under autocast in theirs (``float32``, to
+    gather full-precision weights, is allowed). ``"32-true"`` takes any.
+    """
+    low_name, kind = flag.split("-")
+    low = _LOW[low_name]
+    if given is None:
+        return MixedPrecision(param_dtype=low, reduce_dtype=torch.float32) if kind == "mixed" else None
+    param = given.param_dtype
+    if param is None or low == torch.float32 or param == low:
+        return given
+    other = {"bf16": "16", "16": "bf16"}[low_name]
+    if kind == "true":
+        fix = (
+            f"precision='32-true' (fp32 throughout) or '{low_name}-mixed' (fp32 master weights, {low} compute)"
+            if param == torch.float32
+            else f"precision='32-true' with this mixed_precision for {param} compute over fp32 master weights"
+        )
+        raise ValueError(
+            f"precision={flag!r} keeps the whole model in {low} with no fp32 copy, so mixed_precision.param_dtype="
+            f"{param} has nothing to gather it from. HINT: use {fix}; with {flag!r} leave param_dtype unset."
+        )
+    if param != torch.float32:
+        raise ValueError(
+            f"precision={flag!r} runs the step under autocast in {low}, but mixed_precision.param_dtype={param}. "
+            f"HINT: use param_dtype={low} (or torch.float32 to gather full-precision weights), or "
+            f"precision='{other}-mixed'."
+        )
+    return given
 
 
 def to_flatshard_precision(plugin: Any) -> FlatShardPrecision | None:

@@ -30,6 +30,7 @@ from flatshard.checkpoint.sharded import write_sharded_checkpoint
 from flatshard.engine import shard
 from flatshard.engine.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from flatshard.engine.optim_state import full_optim_state_dict
+from flatshard.engine.runtime import get_unit_state
 from flatshard.engine.shard import is_sharded, no_sync
 from flatshard.engine.sharded_state import sharded_model_state_dict, sharded_optim_state_dict
 from flatshard.engine.state_dict import (
@@ -44,7 +45,7 @@ from flatshard.lightning.distributed import (
 )
 from flatshard.lightning.launcher import SpawnLauncher
 from flatshard.lightning.options import StrategyOptions
-from flatshard.lightning.precision import FlatShardPrecision, to_flatshard_precision
+from flatshard.lightning.precision import FlatShardPrecision, mixed_precision_for, to_flatshard_precision
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -159,13 +160,7 @@ class FlatShardStrategy(ParallelStrategy):
         device_mesh: Any | None = None,
         start_method: Literal["popen", "spawn"] = "popen",
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        # Options first: the precision setter, called by the base __init__, checks the flag against them.
         self.options = StrategyOptions.create(
             sharding_strategy=sharding_strategy,
             auto_wrap_policy=auto_wrap_policy,
@@ -183,6 +178,13 @@ class FlatShardStrategy(ParallelStrategy):
             device_mesh=device_mesh,
             start_method=start_method,
             grad_accumulation=grad_accumulation,
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
         )
         self.num_nodes = 1
         self._process_group_backend = process_group_backend
@@ -235,7 +237,10 @@ class FlatShardStrategy(ParallelStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        self._precision_plugin = to_flatshard_precision(precision_plugin)
+        plugin = to_flatshard_precision(precision_plugin)
+        if plugin is not None:  # a flag that contradicts mixed_precision fails here, at Trainer(...)
+            mixed_precision_for(plugin.precision, self.options.mixed_precision)
+        self._precision_plugin = plugin
 
     # ------------------------------------------------------------------ environment
     @override
@@ -277,7 +282,7 @@ class FlatShardStrategy(ParallelStrategy):
         if is_sharded(model):
             log.debug("flatshard: model is already sharded; reusing its units.")
         else:
-            config = self.precision_plugin.mixed_precision_config
+            config = mixed_precision_for(self.precision_plugin.precision, self.options.mixed_precision)
             kwargs = self.options.shard_kwargs(
                 self.root_device, config, self.num_processes, self.num_nodes * self.num_processes
             )
@@ -313,10 +318,23 @@ class FlatShardStrategy(ParallelStrategy):
     def _through_forward(
         self, method: str, context: AbstractContextManager[Any], *args: Any, **kwargs: Any
     ) -> Any:
-        """Call ``lightning_module.<method>`` as the module's forward, so the root unit's hooks run."""
+        """Call ``lightning_module.<method>`` as the module's forward, so the root unit's hooks run.
+
+        Under autocast the step's arguments (the batch: inputs, targets, masks) keep their dtypes, as under
+        DDP, instead of being cast like a unit's forward inputs; see [Note: mixed precision].
+        """
         assert self.model is not None and self.lightning_module is not None
-        with context:
-            return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+        root = get_unit_state(self.model)
+        if root is not None:
+            root.cast_inputs = not self.precision_plugin.autocast
+            # manual optimization may toggle requires_grad inside the step: see [Note: backward inside a forward]
+            root.track_frozen = method == "training_step" and not self.lightning_module.automatic_optimization
+        try:
+            with context:
+                return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+        finally:
+            if root is not None:
+                root.cast_inputs, root.track_frozen = True, False
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -339,6 +357,29 @@ class FlatShardStrategy(ParallelStrategy):
         return self._through_forward(
             "predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs
         )
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any],
+        model: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        # A step taken inside training_step (manual optimization) changed shards the root still has gathered.
+        root = get_unit_state(self.model) if self.model is not None else None
+        if root is not None:
+            root.refresh_in_forward()
+        return out
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        # Manual optimization calls backward inside training_step, i.e. inside the root's forward; see
+        # [Note: backward inside a forward] in flatshard.engine.runtime.
+        root = get_unit_state(self.model) if self.model is not None else None
+        if root is not None:
+            root.begin_backward_in_forward(closure_loss)
 
     # ------------------------------------------------------------------ collectives
     @override
