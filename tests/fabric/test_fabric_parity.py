@@ -234,10 +234,13 @@ def _sharded_save(rank: int, world: int, tmp: str) -> None:
     torch.manual_seed(0)
     model = fabric.setup_module(TinyGPT())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer.optimizer, step_size=1, gamma=0.5)
     idx, tgt = make_batch(0, 2 * world)
     fabric.backward(model.module.loss(idx[2 * rank : 2 * rank + 2], tgt[2 * rank : 2 * rank + 2]))
     optimizer.step()
-    fabric.save(Path(tmp) / "sharded", {"model": model, "optimizer": optimizer, "step": 7})
+    scheduler.step()  # the scheduler is state of its own, not a second optimizer (it has .optimizer)
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 7}
+    fabric.save(Path(tmp) / "sharded", state)
     full, optim = flatshard.get_state_dict(model, optimizer.optimizer, rank0_only=False)
     if rank == 0:
         torch.save({"model": full, "optim": optim}, Path(tmp) / "expected.pt")
@@ -258,9 +261,11 @@ def _sharded_load(rank: int, world: int, tmp: str) -> dict[str, float]:
     fabric.launch()
     model = fabric.setup_module(TinyGPT())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    state = {"model": model, "optimizer": optimizer, "step": 0}
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer.optimizer, step_size=1, gamma=0.5)
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
     _refuses_absent_entry(fabric, Path(tmp) / "sharded", state)
     rest = fabric.load(Path(tmp) / "sharded", state)
+    scheduler.step()  # continues from the saved schedule: 1e-2 * 0.5 ** 2
     expected = torch.load(Path(tmp) / "expected.pt")
     full, optim = flatshard.get_state_dict(model, optimizer.optimizer, rank0_only=False)
     return {
@@ -271,6 +276,8 @@ def _sharded_load(rank: int, world: int, tmp: str) -> dict[str, float]:
         ),
         "step": float(state["step"]),
         "rest": float(len(rest)),
+        "lr": optimizer.param_groups[0]["lr"],
+        "scheduler_epoch": float(scheduler.last_epoch),
     }
 
 
@@ -279,4 +286,51 @@ def test_fabric_sharded_checkpoint_resumes_on_another_world_size(tmp_path: Path)
     spawn(_sharded_save, 2, str(tmp_path))
     assert (tmp_path / "sharded").is_dir()
     for r in spawn(_sharded_load, 3, str(tmp_path)):
-        assert r == {"weights": 0.0, "optim": 0.0, "step": 7.0, "rest": 0.0}, r
+        assert r == {
+            "weights": 0.0,
+            "optim": 0.0,
+            "step": 7.0,
+            "rest": 0.0,
+            "lr": pytest.approx(2.5e-3),
+            "scheduler_epoch": 2.0,
+        }, r
+
+
+def _run_empty_init_joint_setup(rank: int, world: int, tmp: str) -> dict[str, float]:
+    """A model built on the meta device and an optimizer created over it, set up together: the optimizer
+    must train the materialized parameters (it is pointed at them by name)."""
+    fabric = Fabric(accelerator="cpu", devices=world, strategy="flatshard")
+    fabric.launch()
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    if rank == 0:
+        torch.save({"model": reference.state_dict()}, Path(tmp) / "init.ckpt")
+    fabric.barrier()
+    with fabric.init_module(empty_init=True):
+        model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    fabric.load(Path(tmp) / "init.ckpt", {"model": model})
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(2):
+        idx, tgt = make_batch(step, 2 * world)
+        reference.loss(idx, tgt).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        fabric.backward(model.module.loss(idx[2 * rank : 2 * rank + 2], tgt[2 * rank : 2 * rank + 2]))
+        optimizer.step()
+        optimizer.zero_grad()
+    full, _ = flatshard.get_state_dict(model, rank0_only=False)
+    return {
+        "weights": max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items()),
+        "meta_in_optimizer": float(any(p.is_meta for g in optimizer.param_groups for p in g["params"])),
+        "optimizer_states": float(len(optimizer.optimizer.state)),
+        "expected_states": float(len(ref_opt.state)),
+    }
+
+
+@pytest.mark.timeout(300)
+def test_fabric_empty_init_with_optimizer_set_up_jointly(tmp_path: Path) -> None:
+    for r in spawn(_run_empty_init_joint_setup, 2, str(tmp_path)):
+        assert r["weights"] < 1e-5 and r["meta_in_optimizer"] == 0.0, r
+        assert r["optimizer_states"] == r["expected_states"] > 0, r

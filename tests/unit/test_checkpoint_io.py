@@ -82,3 +82,11 @@ def test_empty_missing_and_wrong_kind(tmp_path: Path) -> None:
     torch.save([1, 2], tmp_path / "list.ckpt")
     with pytest.raises(CheckpointError, match="list"):
         load_checkpoint_file(tmp_path / "list.ckpt")
+    unfinished = tmp_path / "unfinished.ckpt"  # a sharded save that stopped before its .metadata
+    unfinished.mkdir()
+    (unfinished / "__0_0.distcp").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"without a \.metadata file.*__0_0\.distcp"):
+        load_checkpoint_file(unfinished)
+    (unfinished / ".metadata").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="consolidate"):
+        load_checkpoint_file(unfinished)

@@ -135,6 +135,20 @@ def test_state_dict_roundtrip_single_process() -> None:
         torch.testing.assert_close(other(idx), reference(idx))
 
 
+def test_state_dict_of_another_width_names_the_first_shapes_and_counts_the_rest() -> None:
+    model = TinyGPT()
+    flatshard.shard(model, auto_wrap_policy={Block})
+    wider = {k: torch.zeros([d + 1 for d in v.shape]) for k, v in TinyGPT().state_dict().items()}
+    before = {k: v.clone() for k, v in flatshard.get_state_dict(model)[0].items()}
+    with pytest.raises(
+        ValueError, match=r"(?s)has shape .* more parameters of another shape \((\d+) in all\)"
+    ) as err:
+        flatshard.set_state_dict(model, None, wider)
+    assert str(err.value).count("has shape") == 5 and "Nothing was loaded" in str(err.value)
+    after = flatshard.get_state_dict(model)[0]
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
 def test_clip_grad_norm_matches_torch() -> None:
     reference, model = _pair(auto_wrap_policy={Block})
     idx, tgt = make_batch(0, 2)

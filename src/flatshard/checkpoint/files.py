@@ -121,6 +121,12 @@ def load_checkpoint_file(path: str | os.PathLike[str], weights_only: bool | None
         raise FileNotFoundError(
             f"Checkpoint {target} does not exist. HINT: check the path passed as ckpt_path."
         )
+    if target.is_dir() and not (target / ".metadata").is_file():
+        raise CheckpointError(
+            f"Checkpoint {target} is a directory without a .metadata file: not a sharded checkpoint, or one whose "
+            f"save did not finish (it holds {sorted(p.name for p in target.iterdir())[:5]}). HINT: use an earlier "
+            "checkpoint; nothing was loaded."
+        )
     if target.is_dir():
         raise CheckpointError(
             f"Checkpoint {target} is a directory (a sharded checkpoint), not a file. HINT: load it with "

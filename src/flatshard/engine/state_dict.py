@@ -163,12 +163,14 @@ def check_full_model_state_dict(
         problems.append(f"missing keys {_short(missing)}")
     if strict and unexpected:
         problems.append(f"unexpected keys {_short(unexpected)}")
-    for key, (shape, _, _) in expected.items():
-        value = state_dict.get(key)
-        if isinstance(value, torch.Tensor) and value.shape != shape:
-            problems.append(
-                f"{key!r} has shape {tuple(value.shape)} in {source} but {tuple(shape)} in the model"
-            )
+    shapes = [
+        f"{key!r} has shape {tuple(value.shape)} in {source} but {tuple(shape)} in the model"
+        for key, (shape, _, _) in expected.items()
+        if isinstance(value := state_dict.get(key), torch.Tensor) and value.shape != shape
+    ]
+    problems += shapes[:5]
+    if len(shapes) > 5:
+        problems.append(f"{len(shapes) - 5} more parameters of another shape ({len(shapes)} in all)")
     if problems:
         raise ValueError(
             f"{source} does not match {type(module).__name__}: "

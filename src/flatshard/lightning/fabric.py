@@ -1,8 +1,10 @@
 """``FlatShardFabricStrategy``: ``Fabric(strategy="flatshard")`` on flatshard's engine.
 
 ``fabric.setup(model, optimizer)`` shards the model in place; an optimizer may be created before or
-after, since the model keeps its Parameter objects. ``fabric.save`` / ``fabric.load`` write and read
-one full checkpoint file (plain model and optimizer state dicts).
+after, since the model keeps its Parameter objects (those materialized from the meta device are new, and a
+jointly set-up optimizer is pointed at them by name). ``fabric.save`` / ``fabric.load`` write and read one
+full checkpoint file (plain model and optimizer state dicts), or with ``state_dict_type="sharded"`` a
+directory of per-rank pieces.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessi
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -76,10 +79,39 @@ def _restore_entries(
 
 
 def _unwrap(obj: Any) -> Any:
-    """Fabric's module / optimizer wrappers -> the objects flatshard manages."""
-    if isinstance(obj, Module):
-        return getattr(obj, "_forward_module", obj)
-    return getattr(obj, "optimizer", obj) if not isinstance(obj, Optimizer) else obj
+    """Fabric's module / optimizer wrappers -> the objects flatshard manages; anything else as it is (an LR
+    scheduler also has an ``optimizer`` attribute and stays a scheduler)."""
+    if isinstance(obj, _FabricModule):
+        return obj._forward_module
+    if isinstance(obj, _FabricOptimizer):
+        return obj.optimizer
+    return obj
+
+
+def _rebind_params(optimizer: Optimizer, names: dict[int, str], now: dict[str, torch.nn.Parameter]) -> None:
+    """Replace the optimizer's references to parameters the model no longer holds by the model's parameter of
+    the same name (see ``setup_module_and_optimizers``)."""
+    current = {id(p) for p in now.values()}
+    for index, group in enumerate(optimizer.param_groups):
+        params = list(group["params"])
+        for i, p in enumerate(params):
+            if id(p) in current:
+                continue
+            name = names.get(id(p))
+            if name is None or name not in now:
+                raise ValueError(
+                    f"Optimizer {type(optimizer).__name__} param group {index} holds a parameter of shape "
+                    f"{tuple(p.shape)} that is not in the model passed to fabric.setup. HINT: build the optimizer "
+                    "from model.parameters()."
+                )
+            if optimizer.state.get(p):
+                raise ValueError(
+                    f"Optimizer {type(optimizer).__name__} already holds state for meta-device parameter {name!r}. "
+                    "HINT: create the optimizer after fabric.setup_module(model), or before any step."
+                )
+            optimizer.state.pop(p, None)
+            params[i] = now[name]
+        group["params"] = params
 
 
 class _NoSyncControl(_BackwardSyncControl):
@@ -230,6 +262,23 @@ class FlatShardFabricStrategy(ParallelStrategy):
             shard(module, **kwargs)
         self._sharded_modules.append(module)
         return module
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[Module, list[Optimizer], Any | None]:
+        """``fabric.setup(model, optimizer)``: shard the model, then point each optimizer at its parameters.
+
+        Sharding keeps the model's ``Parameter`` objects, except those built on the meta device: materializing
+        makes new ones. An optimizer created over the meta model has its references re-acquired by name, so
+        ``init_module(empty_init=True)`` followed by a joint setup trains the real parameters.
+        """
+        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=True)}
+        module = self.setup_module(module)
+        now = dict(module.named_parameters(remove_duplicate=True))
+        for optimizer in optimizers:
+            _rebind_params(optimizer, names, now)
+        return module, optimizers, scheduler
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager[Any]:
