@@ -12,7 +12,7 @@ from lightning.fabric import Fabric
 
 import flatshard  # registers the strategy names
 from flatshard.testing import spawn
-from flatshard.testing.models import TinyGPT, make_batch
+from flatshard.testing.models import Block, TinyGPT, make_batch
 
 
 def _refuses_absent_entry(fabric: Fabric, path: Path, state: dict[str, Any]) -> None:
@@ -296,6 +296,23 @@ def test_fabric_sharded_checkpoint_resumes_on_another_world_size(tmp_path: Path)
         }, r
 
 
+def _train_beside_reference(
+    fabric: Fabric, model: Any, optimizer: Any, reference: TinyGPT, ref_opt: Any, steps: int
+) -> dict[str, torch.Tensor]:
+    """``steps`` steps of the set-up model (a slice of the batch per rank) and of the one-process reference on
+    the whole batch; the model's full state afterwards."""
+    rank, world = fabric.global_rank, fabric.world_size
+    for step in range(steps):
+        idx, tgt = make_batch(step, 2 * world)
+        reference.loss(idx, tgt).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        fabric.backward(model.module.loss(idx[2 * rank : 2 * rank + 2], tgt[2 * rank : 2 * rank + 2]))
+        optimizer.step()
+        optimizer.zero_grad()
+    return flatshard.get_state_dict(model, rank0_only=False)[0]
+
+
 def _run_empty_init_joint_setup(rank: int, world: int, tmp: str) -> dict[str, float]:
     """A model built on the meta device and an optimizer created over it, set up together: the optimizer
     must train the materialized parameters (it is pointed at them by name)."""
@@ -312,15 +329,7 @@ def _run_empty_init_joint_setup(rank: int, world: int, tmp: str) -> dict[str, fl
     model, optimizer = fabric.setup(model, optimizer)
     fabric.load(Path(tmp) / "init.ckpt", {"model": model})
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
-    for step in range(2):
-        idx, tgt = make_batch(step, 2 * world)
-        reference.loss(idx, tgt).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        fabric.backward(model.module.loss(idx[2 * rank : 2 * rank + 2], tgt[2 * rank : 2 * rank + 2]))
-        optimizer.step()
-        optimizer.zero_grad()
-    full, _ = flatshard.get_state_dict(model, rank0_only=False)
+    full = _train_beside_reference(fabric, model, optimizer, reference, ref_opt, steps=2)
     return {
         "weights": max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items()),
         "meta_in_optimizer": float(any(p.is_meta for g in optimizer.param_groups for p in g["params"])),
@@ -334,3 +343,24 @@ def test_fabric_empty_init_with_optimizer_set_up_jointly(tmp_path: Path) -> None
     for r in spawn(_run_empty_init_joint_setup, 2, str(tmp_path)):
         assert r["weights"] < 1e-5 and r["meta_in_optimizer"] == 0.0, r
         assert r["optimizer_states"] == r["expected_states"] > 0, r
+
+
+def _run_adagrad_joint_setup(rank: int, world: int) -> float:
+    """Adagrad creates full-shaped state in its constructor; set up jointly it is cut to each rank's piece."""
+    fabric = Fabric(
+        accelerator="cpu", devices=world, strategy=flatshard.FlatShardFabricStrategy(auto_wrap_policy={Block})
+    )
+    fabric.launch()
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    model = copy.deepcopy(reference)
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=1e-2, initial_accumulator_value=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    ref_opt = torch.optim.Adagrad(reference.parameters(), lr=1e-2, initial_accumulator_value=0.1)
+    full = _train_beside_reference(fabric, model, optimizer, reference, ref_opt, steps=2)
+    return max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+
+
+@pytest.mark.timeout(300)
+def test_fabric_optimizer_with_constructor_state_set_up_jointly() -> None:
+    assert max(spawn(_run_adagrad_joint_setup, 2)) < 1e-5

@@ -69,7 +69,28 @@ class LitGPT(L.LightningModule):
             return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
         if self.optimizer_name == "sgd":
             return torch.optim.SGD(self.parameters(), lr=self.lr)
+        if self.optimizer_name == "adagrad":  # creates its state in the constructor
+            return torch.optim.Adagrad(self.parameters(), lr=self.lr, initial_accumulator_value=0.1)
+        if self.optimizer_name == "groups":
+            return shape_grouped_adamw(self, self.lr)
         raise ValueError(self.optimizer_name)
+
+
+def shape_grouped_adamw(module: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """Param groups as GPT recipes write them: weight decay only on matrices (chosen by ``p.ndim``), and the
+    embeddings (the token one tied to the head) at their own learning rate. With block units, the first two
+    groups span every unit and the root."""
+    named = list(module.named_parameters())
+    embeddings = [p for n, p in named if n.startswith(("model.wte", "model.wpe"))]
+    rest = [p for n, p in named if not n.startswith(("model.wte", "model.wpe"))]
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in rest if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0},
+            {"params": embeddings, "lr": lr / 2, "weight_decay": 0.05},
+        ],
+        lr=lr,
+    )
 
 
 class LossRecorder(Callback):

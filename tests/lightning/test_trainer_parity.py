@@ -126,6 +126,20 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         lambda rank: LitGPT(),
         {},
     ),
+    # configure_optimizers groups by p.ndim: it must see the original shapes, not the shards' pieces
+    "ddp_groups": (lambda: "ddp", lambda rank: LitGPT(optimizer="groups"), {}),
+    "flatshard_groups": (
+        lambda: flatshard.FlatShardStrategy(auto_wrap_policy={Block}),
+        lambda rank: LitGPT(optimizer="groups"),
+        {},
+    ),
+    # Adagrad creates its state in its constructor: it is built again on the shards
+    "ddp_adagrad": (lambda: "ddp", lambda rank: LitGPT(optimizer="adagrad"), {}),
+    "flatshard_adagrad": (
+        lambda: flatshard.FlatShardStrategy(auto_wrap_policy={Block}),
+        lambda rank: LitGPT(optimizer="adagrad"),
+        {},
+    ),
     "ddp_frozen": (lambda: "ddp", lambda rank: FrozenGPT(), {}),
     "flatshard_frozen": (lambda: "flatshard", lambda rank: FrozenGPT(), {}),
     "flatshard_sync_module_states": (
@@ -283,6 +297,8 @@ def test_three_ranks_uneven_shards_match_single_device(
         ("flatshard_accumulate_no_sync", "ddp_accumulate"),
         ("flatshard_accumulate_wide", "ddp_accumulate_wide"),
         ("flatshard_frozen", "ddp_frozen"),
+        ("flatshard_groups", "ddp_groups"),
+        ("flatshard_adagrad", "ddp_adagrad"),
         ("flatshard_sync_module_states", "ddp"),
         ("flatshard_offload", "ddp"),
         ("flatshard_checkpoint_units", "ddp"),

@@ -26,8 +26,62 @@ __all__ = [
     "convert_full_optim_state_dict",
     "full_optim_state_dict",
     "load_full_optim_state_dict",
+    "parameter_names",
     "plan_full_optim_state_dict",
+    "rebind_optimizer",
 ]
+
+
+def parameter_names(module: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name`` of the module's parameters, to find them again with ``rebind_optimizer``."""
+    return {id(p): n for n, p in module.named_parameters(remove_duplicate=True)}
+
+
+def rebind_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[int, str], module: nn.Module) -> None:
+    """Fit an optimizer built before ``shard()`` to the sharded module.
+
+    ``shard()`` keeps a module's ``Parameter`` objects, except those built on the meta device: materializing
+    makes new ones. Each parameter the optimizer holds that was the module's (``names``, taken before
+    sharding) and no longer is, is replaced by the module's parameter of the same name. State an optimizer
+    created in its constructor (Adagrad's ``sum``) has the parameter's full shape; it is cut down to this
+    rank's piece. Tensors that were never the module's are left alone. Raises ``ValueError`` (changing
+    nothing) if a parameter cannot be found, or holds state although it was replaced.
+    """
+    now = dict(module.named_parameters(remove_duplicate=True))
+    current = {id(p) for p in now.values()}
+    replace: list[tuple[dict[str, Any], int, torch.Tensor, nn.Parameter]] = []
+    for index, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if id(p) in current or id(p) not in names:
+                continue
+            name = names[id(p)]
+            if name not in now:
+                raise ValueError(
+                    f"{type(optimizer).__name__} param group {index} holds parameter {name!r}, which the model no "
+                    "longer has after sharding. HINT: create the optimizer after sharding the model."
+                )
+            if optimizer.state.get(p):
+                raise ValueError(
+                    f"{type(optimizer).__name__} already holds state for parameter {name!r}, which sharding "
+                    "replaced (it was built on the meta device). HINT: create the optimizer after sharding."
+                )
+            replace.append((group, i, p, now[name]))
+    for group, i, old, new in replace:
+        optimizer.state.pop(old, None)
+        params = list(group["params"])
+        params[i] = new
+        group["params"] = params
+    for p in _ordered_params(optimizer):
+        handle = handle_of_param(p)
+        if handle is None or not optimizer.state.get(p):
+            continue
+        index = next(k for k, q in enumerate(handle.params) if q is p)
+        full_shape, info = handle.layout.shapes[index], handle.shard_infos[index]
+        for key, value in optimizer.state[p].items():
+            if isinstance(value, torch.Tensor) and value.shape == full_shape and value.shape != p.shape:
+                start = info.offset_in_param
+                piece = value.reshape(-1)[start : start + info.numel_in_shard]
+                optimizer.state[p][key] = piece.to(p.device).clone().view(p.shape)
 
 
 def _ordered_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -40,6 +40,8 @@ from flatshard.engine.optim_state import (
     convert_full_optim_state_dict,
     full_optim_state_dict,
     load_full_optim_state_dict,
+    parameter_names,
+    rebind_optimizer,
 )
 from flatshard.engine.shard import is_sharded, no_sync
 from flatshard.engine.sharded_state import sharded_model_state_dict, sharded_optim_state_dict
@@ -86,32 +88,6 @@ def _unwrap(obj: Any) -> Any:
     if isinstance(obj, _FabricOptimizer):
         return obj.optimizer
     return obj
-
-
-def _rebind_params(optimizer: Optimizer, names: dict[int, str], now: dict[str, torch.nn.Parameter]) -> None:
-    """Replace the optimizer's references to parameters the model no longer holds by the model's parameter of
-    the same name (see ``setup_module_and_optimizers``)."""
-    current = {id(p) for p in now.values()}
-    for index, group in enumerate(optimizer.param_groups):
-        params = list(group["params"])
-        for i, p in enumerate(params):
-            if id(p) in current:
-                continue
-            name = names.get(id(p))
-            if name is None or name not in now:
-                raise ValueError(
-                    f"Optimizer {type(optimizer).__name__} param group {index} holds a parameter of shape "
-                    f"{tuple(p.shape)} that is not in the model passed to fabric.setup. HINT: build the optimizer "
-                    "from model.parameters()."
-                )
-            if optimizer.state.get(p):
-                raise ValueError(
-                    f"Optimizer {type(optimizer).__name__} already holds state for meta-device parameter {name!r}. "
-                    "HINT: create the optimizer after fabric.setup_module(model), or before any step."
-                )
-            optimizer.state.pop(p, None)
-            params[i] = now[name]
-        group["params"] = params
 
 
 class _NoSyncControl(_BackwardSyncControl):
@@ -273,11 +249,10 @@ class FlatShardFabricStrategy(ParallelStrategy):
         makes new ones. An optimizer created over the meta model has its references re-acquired by name, so
         ``init_module(empty_init=True)`` followed by a joint setup trains the real parameters.
         """
-        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=True)}
+        names = parameter_names(module)
         module = self.setup_module(module)
-        now = dict(module.named_parameters(remove_duplicate=True))
         for optimizer in optimizers:
-            _rebind_params(optimizer, names, now)
+            rebind_optimizer(optimizer, names, module)
         return module, optimizers, scheduler
 
     @override

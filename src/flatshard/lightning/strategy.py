@@ -29,7 +29,7 @@ from flatshard.checkpoint.files import atomic_save
 from flatshard.checkpoint.sharded import write_sharded_checkpoint
 from flatshard.engine import shard
 from flatshard.engine.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from flatshard.engine.optim_state import full_optim_state_dict
+from flatshard.engine.optim_state import full_optim_state_dict, parameter_names, rebind_optimizer
 from flatshard.engine.runtime import get_unit_state
 from flatshard.engine.shard import is_sharded, no_sync
 from flatshard.engine.sharded_state import sharded_model_state_dict, sharded_optim_state_dict
@@ -271,9 +271,30 @@ class FlatShardStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        # [Note: configure_optimizers sees the original shapes]
+        # Between steps a sharded parameter's data is a 1-D piece of its unit's shard, so a
+        # configure_optimizers that groups by shape (no weight decay where p.ndim < 2, as most GPT recipes do)
+        # would put matrices in the wrong group and train differently from DDP, silently. So the optimizers are
+        # built before sharding, on the parameters as the user made them (full shapes, or meta tensors of
+        # the right shape). Sharding keeps the Parameter objects; those materialized from the meta device are
+        # new and the optimizers are pointed at them by name. State an optimizer creates in its constructor
+        # (Adagrad's sum) is cut down to each rank's piece; where that cannot be done (such state for a
+        # meta-device parameter), configure_optimizers is called again after sharding, on the pieces.
+        early = fitting and not is_sharded(self.model)
+        names = parameter_names(self.model)
+        if early:
+            self.setup_optimizers(trainer)
         self.model = self._setup_model(self.model)
         self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if early:
+            try:
+                for optimizer in self.optimizers:
+                    rebind_optimizer(optimizer, names, self.model)
+            except ValueError as err:
+                log.info("flatshard: %s configure_optimizers runs again, on the sharded parameters.", err)
+                self.setup_optimizers(trainer)
+        elif fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
