@@ -268,10 +268,10 @@ class FlatShardStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
-        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
-        fitting = trainer.state.fn == TrainerFn.FITTING
         # [Note: configure_optimizers sees the original shapes]
         # Between steps a sharded parameter's data is a 1-D piece of its unit's shard, so a
         # configure_optimizers that groups by shape (no weight decay where p.ndim < 2, as most GPT recipes do)
