@@ -52,6 +52,21 @@ class FrozenGPT(LitGPT):
         return torch.optim.AdamW(trainable, lr=self.lr, weight_decay=0.1)
 
 
+class ValidatedFirstGPT(LitGPT):
+    """Shape-grouped AdamW, validated (by another Trainer, which shards it) before it is fitted: the optimizer
+    is then built on an already sharded model."""
+
+    validate_first = True
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="groups")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss: torch.Tensor = self.model.loss(batch[0], batch[1])
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+
 class SkipLastBlockGPT(LitGPT):
     """The last block takes no part in the loss: its parameters get no gradient (``None``) in plain PyTorch,
     so AdamW neither decays them nor creates state for them."""
@@ -133,7 +148,12 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         lambda rank: LitGPT(optimizer="groups"),
         {},
     ),
-    # Adagrad creates its state in its constructor: it is built again on the shards
+    "flatshard_groups_sharded_first": (
+        lambda: flatshard.FlatShardStrategy(auto_wrap_policy={Block}),
+        lambda rank: ValidatedFirstGPT(),
+        {},
+    ),
+    # Adagrad creates its state in its constructor: it is cut to each rank's piece
     "ddp_adagrad": (lambda: "ddp", lambda rank: LitGPT(optimizer="adagrad"), {}),
     "flatshard_adagrad": (
         lambda: flatshard.FlatShardStrategy(auto_wrap_policy={Block}),
@@ -169,6 +189,10 @@ def _train_all(rank: int, world: int, names: list[str], per_rank: int, out_dir: 
     for name in names:
         make_strategy, make_module, extra = CASES[name]
         model = make_module(rank)
+        if getattr(model, "validate_first", False):
+            make_trainer(world, make_strategy()).validate(
+                model, make_loader(1, per_rank * world, world), verbose=False
+            )
         recorder = LossRecorder()
         trainer = make_trainer(world, make_strategy(), max_epochs=1, callbacks=[recorder], **extra)
         trainer.fit(model, make_loader(STEPS, per_rank * world, world))
@@ -298,6 +322,7 @@ def test_three_ranks_uneven_shards_match_single_device(
         ("flatshard_accumulate_wide", "ddp_accumulate_wide"),
         ("flatshard_frozen", "ddp_frozen"),
         ("flatshard_groups", "ddp_groups"),
+        ("flatshard_groups_sharded_first", "ddp_groups"),
         ("flatshard_adagrad", "ddp_adagrad"),
         ("flatshard_sync_module_states", "ddp"),
         ("flatshard_offload", "ddp"),

@@ -11,7 +11,8 @@ Indices follow ``param_groups`` order, as ``torch.optim.Optimizer.state_dict()``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -26,10 +27,36 @@ __all__ = [
     "convert_full_optim_state_dict",
     "full_optim_state_dict",
     "load_full_optim_state_dict",
+    "original_shapes",
     "parameter_names",
     "plan_full_optim_state_dict",
     "rebind_optimizer",
 ]
+
+
+@contextmanager
+def original_shapes(module: nn.Module) -> Iterator[None]:
+    """Inside, every sharded parameter of ``module`` has its original shape (not its 1-D piece) and no values:
+    its data is one element repeated by zero strides. For building an optimizer whose param groups depend
+    on shapes after the model is sharded; ``rebind_optimizer`` then cuts any state it made to the pieces.
+    """
+    scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+    saved: list[tuple[nn.Parameter, torch.Tensor]] = []
+    handles = {
+        id(h): h for m in module.modules() for p in m.parameters(recurse=False) if (h := handle_of_param(p))
+    }
+    try:
+        for handle in handles.values():
+            if handle.shard_world == 1:
+                continue  # its pieces already have the full shapes
+            for p, shape in zip(handle.params, handle.layout.shapes, strict=True):
+                one = scratch.setdefault((p.dtype, p.device), torch.zeros(1, dtype=p.dtype, device=p.device))
+                saved.append((p, p.data))
+                p.data = one.as_strided(shape, (0,) * len(shape))
+        yield
+    finally:
+        for p, data in saved:
+            p.data = data
 
 
 def parameter_names(module: nn.Module) -> dict[int, str]:

@@ -29,7 +29,12 @@ from flatshard.checkpoint.files import atomic_save
 from flatshard.checkpoint.sharded import write_sharded_checkpoint
 from flatshard.engine import shard
 from flatshard.engine.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from flatshard.engine.optim_state import full_optim_state_dict, parameter_names, rebind_optimizer
+from flatshard.engine.optim_state import (
+    full_optim_state_dict,
+    original_shapes,
+    parameter_names,
+    rebind_optimizer,
+)
 from flatshard.engine.runtime import get_unit_state
 from flatshard.engine.shard import is_sharded, no_sync
 from flatshard.engine.sharded_state import sharded_model_state_dict, sharded_optim_state_dict
@@ -276,13 +281,14 @@ class FlatShardStrategy(ParallelStrategy):
         # Between steps a sharded parameter's data is a 1-D piece of its unit's shard, so a
         # configure_optimizers that groups by shape (no weight decay where p.ndim < 2, as most GPT recipes do)
         # would put matrices in the wrong group and train differently from DDP, silently. So the optimizers are
-        # built before sharding, on the parameters as the user made them (full shapes, or meta tensors of
-        # the right shape). Sharding keeps the Parameter objects; those materialized from the meta device are
-        # new and the optimizers are pointed at them by name. State an optimizer creates in its constructor
-        # (Adagrad's sum) is cut down to each rank's piece; where that cannot be done (such state for a
-        # meta-device parameter), configure_optimizers is called again after sharding, on the pieces.
+        # built before sharding, on the parameters as the user made them (full shapes and values, or meta
+        # tensors). Sharding keeps the Parameter objects; those materialized from the meta device are new and
+        # the optimizers are pointed at them by name. State an optimizer makes in its constructor (Adagrad's
+        # sum) is cut down to each rank's piece. Where the model is sharded already (a second fit, or fit after
+        # validate), or such state was made for meta parameters, configure_optimizers runs on the sharded
+        # model inside original_shapes(): the right shapes, without values.
         early = fitting and not is_sharded(self.model)
-        names = parameter_names(self.model)
+        names = parameter_names(self.model) if early else {}
         if early:
             self.setup_optimizers(trainer)
         self.model = self._setup_model(self.model)
@@ -292,10 +298,13 @@ class FlatShardStrategy(ParallelStrategy):
                 for optimizer in self.optimizers:
                     rebind_optimizer(optimizer, names, self.model)
             except ValueError as err:
-                log.info("flatshard: %s configure_optimizers runs again, on the sharded parameters.", err)
+                log.info("flatshard: %s configure_optimizers runs again, on the sharded model.", err)
+                early = False
+        if fitting and not early:
+            with original_shapes(self.model):
                 self.setup_optimizers(trainer)
-        elif fitting:
-            self.setup_optimizers(trainer)
+            for optimizer in self.optimizers:
+                rebind_optimizer(optimizer, {}, self.model)
         self.setup_precision_plugin()
 
     def _setup_model(self, model: Module) -> Module:
