@@ -344,7 +344,7 @@ def _optim_targets(
             handle = handle_of_param(p)
             shard = None
             if handle is not None:
-                i = next(j for j, q in enumerate(handle.params) if q is p)
+                i = handle.index_of(p)
                 info = handle.shard_infos[i]
                 shard = ParamShard(p.detach().reshape(-1), info.offset_in_param, handle.layout.shapes[i])
             full_shape = shard.shape if shard is not None else p.shape

@@ -295,6 +295,10 @@ class FlatParamHandle:
         if flags != self.requires_grad:
             self._set_trainable(flags)
 
+    def index_of(self, param: torch.Tensor) -> int:
+        """Position of ``param`` (one of this unit's original parameters) in the flat parameter."""
+        return next(i for i, q in enumerate(self.params) if q is param)
+
     # ------------------------------------------------------------------ views
     def _shard_piece(self, source: torch.Tensor, i: int) -> torch.Tensor:
         info = self.shard_infos[i]
@@ -558,7 +562,8 @@ class FlatParamHandle:
             for i in trainable:
                 g = self.params[i].grad
                 if g is not None:
-                    self._shard_piece(grad, i).add_(g.view_as(self._shard_piece(grad, i)))
+                    piece = self._shard_piece(grad, i)
+                    piece.add_(g.view_as(piece))
             return
         if all(self.params[i].grad is None for i in trainable):
             self._sharded_grad = grad

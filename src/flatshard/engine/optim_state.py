@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from flatshard.engine.gather import GatherItem, gather_items
 from flatshard.engine.handle import FlatParamHandle, handle_of_param
+from flatshard.engine.shard import unit_states
 from flatshard.engine.state_dict import copy_out, global_rank, prepare_for_state_io
 
 __all__ = [
@@ -42,11 +43,8 @@ def original_shapes(module: nn.Module) -> Iterator[None]:
     """
     scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
     saved: list[tuple[nn.Parameter, torch.Tensor]] = []
-    handles = {
-        id(h): h for m in module.modules() for p in m.parameters(recurse=False) if (h := handle_of_param(p))
-    }
     try:
-        for handle in handles.values():
+        for handle in (state.handle for state in unit_states(module) if state.handle is not None):
             if handle.shard_world == 1:
                 continue  # its pieces already have the full shapes
             for p, shape in zip(handle.params, handle.layout.shapes, strict=True):
@@ -98,11 +96,10 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
         params = list(group["params"])
         params[i] = new
         group["params"] = params
-    for p in _ordered_params(optimizer):
-        handle = handle_of_param(p)
+    params = _ordered_params(optimizer)
+    for p, (handle, index) in zip(params, _locate(params), strict=True):
         if handle is None or not optimizer.state.get(p):
             continue
-        index = next(k for k, q in enumerate(handle.params) if q is p)
         full_shape, info = handle.layout.shapes[index], handle.shard_infos[index]
         for key, value in optimizer.state[p].items():
             if isinstance(value, torch.Tensor) and value.shape == full_shape and value.shape != p.shape:
@@ -125,7 +122,7 @@ def _locate(params: list[torch.Tensor]) -> list[tuple[FlatParamHandle | None, in
     out: list[tuple[FlatParamHandle | None, int]] = []
     for p in params:
         handle = handle_of_param(p)
-        out.append((handle, -1 if handle is None else next(i for i, q in enumerate(handle.params) if q is p)))
+        out.append((handle, -1 if handle is None else handle.index_of(p)))
     return out
 
 

@@ -73,10 +73,6 @@ def param_names(module: nn.Module) -> dict[int, str]:
     return out
 
 
-def _position(handle: FlatParamHandle, param: torch.Tensor) -> int:
-    return next(i for i, q in enumerate(handle.params) if q is param)
-
-
 def _shard_of(handle: FlatParamHandle, i: int, local: torch.Tensor) -> ParamShard:
     return ParamShard(local.reshape(-1), handle.shard_infos[i].offset_in_param, handle.layout.shapes[i])
 
@@ -95,7 +91,7 @@ def sharded_model_state_dict(module: nn.Module) -> dict[str, Any]:
         handle = handle_of_param(value) if isinstance(value, torch.Tensor) else None
         if handle is not None:
             if id(value) not in shards:
-                shards[id(value)] = _shard_of(handle, _position(handle, value), value.detach())
+                shards[id(value)] = _shard_of(handle, handle.index_of(value), value.detach())
             out[key] = shards[id(value)]
         elif isinstance(value, torch.Tensor):
             out[key] = value.detach().to(restore.get(key, value.dtype))
@@ -143,7 +139,7 @@ def sharded_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer
                         f"{name!r}, whose local piece has shape {tuple(p.shape)}; only elementwise optimizer "
                         "state can be sharded. HINT: use an elementwise optimizer (Adam, AdamW, SGD...)."
                     )
-                converted[key] = _shard_of(handle, _position(handle, p), value.detach())
+                converted[key] = _shard_of(handle, handle.index_of(p), value.detach())
             else:
                 converted[key] = value
         state[name] = converted
@@ -167,7 +163,7 @@ def local_param_targets(module: nn.Module) -> dict[str, tuple[torch.Tensor, Para
         if handle is None:
             out[key] = (value, None)
             continue
-        i = _position(handle, value)
+        i = handle.index_of(value)
         info = handle.shard_infos[i]
         empty = torch.empty(info.numel_in_shard, dtype=value.dtype, device=value.device)
         out[key] = (value, ParamShard(empty, info.offset_in_param, handle.layout.shapes[i]))

@@ -141,7 +141,7 @@ def _expected_shapes(module: nn.Module) -> dict[str, tuple[torch.Size, FlatParam
         if handle is None:
             out[key] = (value.shape, None, -1)
         else:
-            idx = next(i for i, p in enumerate(handle.params) if p is value)
+            idx = handle.index_of(value)
             out[key] = (handle.layout.shapes[idx], handle, idx)
     return out
 
