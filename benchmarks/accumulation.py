@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as _dt
 import gc
-import json
 import os
 import resource
 import statistics
@@ -35,23 +33,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
-if str(BENCH_DIR) not in sys.path:
-    sys.path.insert(0, str(BENCH_DIR))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from step_time import (  # noqa: E402  (also puts examples/gpt on sys.path)
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from common import (
     MIB,
     PRESETS,
-    REPO,
-    _build_model,
-    _make_batches,
-    _mib,
-    _proc_status_kib,
-    _reset_peak_rss,
+    Block,
+    build_model,
+    default_out,
     machine_info,
+    make_batches,
+    mib,
+    proc_status_kib,
+    reset_peak_rss,
+    utc_now,
+    write_json,
 )
 
 CONTENDERS = ("sharded", "no_sync", "ddp")
@@ -65,16 +62,14 @@ DESCRIPTIONS = {
 def run(rank: int, world: int, cfg: dict[str, Any], name: str) -> dict[str, Any]:
     """One contender on one rank of a fresh process group; returns this rank's measurements."""
     torch.set_num_threads(cfg["threads"])
-    from model import Block  # examples/gpt/model.py
-
     import flatshard
-    from flatshard.engine import comm
+    from flatshard.engine.transport import comm
 
     m = cfg["micro_batches"]
     n_steps = cfg["warmup"] + cfg["steps"]
     t_setup = time.perf_counter()
     model_cfg = dict(cfg, batch_size=cfg["micro_batch_size"])
-    model = _build_model(model_cfg)
+    model = build_model(model_cfg)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weight once
     info: dict[str, Any] = {
         "num_params": sum(p.numel() for p in model.parameters()),
@@ -89,7 +84,7 @@ def run(rank: int, world: int, cfg: dict[str, Any], name: str) -> dict[str, Any]
     info["local_param_numel"] = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     # One global batch per micro-batch from a fixed seed; this rank takes its slice (same for everyone).
-    batches = _make_batches(dict(model_cfg, warmup=0, steps=n_steps * m), rank, world, torch.device("cpu"))
+    batches = make_batches(dict(model_cfg, warmup=0, steps=n_steps * m), rank, world, torch.device("cpu"))
     vocab = cfg["vocab_size"]
 
     def accumulate_context(i: int) -> contextlib.AbstractContextManager[Any]:
@@ -100,8 +95,8 @@ def run(rank: int, world: int, cfg: dict[str, Any], name: str) -> dict[str, Any]
     gc.collect()
     dist.barrier()
     info["setup_s"] = time.perf_counter() - t_setup
-    info["rss_after_setup_mib"] = _mib(_proc_status_kib("VmRSS")["VmRSS"])
-    info["hwm_reset"] = _reset_peak_rss()  # from here on: the training steps only
+    info["rss_after_setup_mib"] = mib(proc_status_kib("VmRSS")["VmRSS"])
+    info["hwm_reset"] = reset_peak_rss()  # from here on: the training steps only
     times: list[float] = []
     cpu_times: list[float] = []
     losses: list[torch.Tensor] = []
@@ -128,14 +123,14 @@ def run(rank: int, world: int, cfg: dict[str, Any], name: str) -> dict[str, Any]
             times.append(elapsed)
             # CPU time of this rank's process (all its threads): less sensitive to other load than wall time
             cpu_times.append(ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime)
-    st = _proc_status_kib("VmHWM", "VmRSS")
-    info["peak_rss_train_mib"] = _mib(st["VmHWM"])
-    info["rss_after_train_mib"] = _mib(st["VmRSS"])
+    st = proc_status_kib("VmHWM", "VmRSS")
+    info["peak_rss_train_mib"] = mib(st["VmHWM"])
+    info["rss_after_train_mib"] = mib(st["VmRSS"])
     info["peak_rss_increase_mib"] = round(st["VmHWM"] / 1024 - info["rss_after_setup_mib"], 1)
     info["step_times_s"] = times
     info["cpu_times_s"] = cpu_times
     info["comm_bytes_per_step"] = comm_per_step
-    # gloo without a native reduce_scatter falls back to all_reduce (see flatshard.engine.comm).
+    # gloo without a native reduce_scatter falls back to all_reduce (see flatshard.engine.transport.comm).
     info["reduce_scatter_fallback"] = sorted(comm._NO_NATIVE_REDUCE_SCATTER)
     stacked = torch.stack(losses)
     dist.all_reduce(stacked)  # global mean loss per optimizer step (outside the timed region)
@@ -163,7 +158,7 @@ def summarize(name: str, runs: list[list[dict[str, Any]]], cfg: dict[str, Any]) 
             raise RuntimeError(f"{name}: reduction bytes differ between steps: {per_step}")
         reduce_bytes = per_step[0]
         gather_bytes = timed[0].get("all_gather", 0)
-        how = "counted: flatshard.engine.comm.comm_stats reduce_scatter + all_reduce, rank 0"
+        how = "counted: flatshard.engine.transport.comm.comm_stats reduce_scatter + all_reduce, rank 0"
     world = len(last)
     steps = [[t for run in runs for t in run[rank]["step_times_s"]] for rank in range(world)]
     cpu = [[t for run in runs for t in run[rank]["cpu_times_s"]] for rank in range(world)]
@@ -304,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     del cfg["batch_size"]  # the preset's: not used (micro_batch_size is)
     from flatshard.testing import spawn
 
-    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    started = utc_now()
     machine = machine_info(cfg)
     print(
         f"{args.preset}: d_model={cfg['d_model']} n_layer={cfg['n_layer']} vocab={cfg['vocab_size']} "
@@ -369,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     if "max_loss_diff_between_contenders" in summary:
         print(f"max loss difference between contenders: {summary['max_loss_diff_between_contenders']:.2e}")
     machine["loadavg_at_end"] = list(os.getloadavg())
-    out = args.out or REPO / "docs" / "bench" / f"accumulation_{args.preset}.json"
+    out = args.out or default_out(f"accumulation_{args.preset}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "benchmark": "accumulation",
@@ -386,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "table": table,
     }
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out, report)
     print(f"\nwrote {out}")
     return 0 if ok else 1
 

@@ -17,7 +17,6 @@ Writes ``docs/bench/activation_checkpointing_<preset>.json``.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import statistics
 import sys
@@ -25,44 +24,41 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
-if str(BENCH_DIR) not in sys.path:
-    sys.path.insert(0, str(BENCH_DIR))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from step_time import (  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from common import (
     MIB,
     PRESETS,
-    REPO,
-    _build_model,
-    _make_batches,
-    _proc_status_kib,
-    _reset_peak_rss,
+    Block,
+    build_model,
+    default_out,
     machine_info,
+    make_batches,
+    proc_status_kib,
+    reset_peak_rss,
+    utc_now,
+    write_json,
 )
 
-import flatshard  # noqa: E402
-from flatshard.testing import spawn  # noqa: E402
-from flatshard.testing.activations import saved_activation_bytes  # noqa: E402
+import flatshard
+from flatshard.testing import spawn
+from flatshard.testing.activations import saved_activation_bytes
 
 
 def run(rank: int, world: int, cfg: dict[str, Any], checkpointing: bool) -> dict[str, Any]:
     torch.set_num_threads(cfg["threads"])
-    from model import Block  # examples/gpt/model.py (step_time put it on sys.path)
-
-    model = _build_model(cfg)
+    model = build_model(cfg)
     flatshard.shard(
         model, auto_wrap_policy={Block}, activation_checkpointing_policy={Block} if checkpointing else None
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batches = _make_batches(dict(cfg, warmup=1), rank, world, torch.device("cpu"))
+    batches = make_batches(dict(cfg, warmup=1), rank, world, torch.device("cpu"))
     saved, _ = saved_activation_bytes(model, lambda: model(batches[0][0]))
     out: dict[str, Any] = {"saved_activation_bytes": saved}
     times, losses = [], []
     dist.barrier()
-    reset = _reset_peak_rss()  # from here on: the training steps only
+    reset = reset_peak_rss()  # from here on: the training steps only
     for step, (idx, tgt) in enumerate(batches):
         dist.barrier()
         t0 = time.perf_counter()
@@ -76,7 +72,7 @@ def run(rank: int, world: int, cfg: dict[str, Any], checkpointing: bool) -> dict
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    peak = _proc_status_kib("VmHWM")["VmHWM"] if reset else None
+    peak = proc_status_kib("VmHWM")["VmHWM"] if reset else None
     out.update(step_s=statistics.median(times), peak_rss_mib=peak / 1024 if peak else None)
     out["losses"] = losses
     return out
@@ -94,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     cfg = dict(PRESETS[args.preset], steps=args.steps, threads=args.threads, seed=args.seed)
-    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    started = utc_now()
     results = {}
     for name, on in (("without", False), ("with", True)):
         per_rank = spawn(run, args.world_size, cfg, on, timeout=1800)
@@ -115,20 +111,19 @@ def main(argv: list[str] | None = None) -> int:
         "max_loss_diff": max(abs(a - b) for a, b in zip(w["losses"], c["losses"], strict=True)),
     }
     print(json.dumps(summary, indent=2))
-    out = args.out or REPO / "docs" / "bench" / f"activation_checkpointing_{args.preset}.json"
-    out.write_text(
-        json.dumps(
-            {
-                "benchmark": "activation_checkpointing",
-                "date": started,
-                "command": "python benchmarks/activation_checkpointing.py " + " ".join(argv or sys.argv[1:]),
-                "machine": machine_info(cfg),
-                "config": dict(cfg, world_size=args.world_size),
-                "results": results,
-                "summary": summary,
-            },
-            indent=2,
-        )
+    out = args.out or default_out(f"activation_checkpointing_{args.preset}.json")
+    write_json(
+        out,
+        {
+            "benchmark": "activation_checkpointing",
+            "date": started,
+            "command": "python benchmarks/activation_checkpointing.py " + " ".join(argv or sys.argv[1:]),
+            "machine": machine_info(cfg),
+            "config": dict(cfg, world_size=args.world_size),
+            "results": results,
+            "summary": summary,
+        },
+        newline=False,
     )
     print(f"wrote {out}")
     return 0

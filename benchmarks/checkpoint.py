@@ -40,10 +40,8 @@ Writes ``docs/bench/checkpoint_<preset>.json`` and ``.png`` (see ``benchmarks/RE
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import faulthandler
 import gc
-import json
 import os
 import shutil
 import statistics
@@ -55,29 +53,31 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
-if str(BENCH_DIR) not in sys.path:  # module level, so spawned workers can import step_time too
-    sys.path.insert(0, str(BENCH_DIR))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from step_time import (  # noqa: E402  (step_time also puts examples/gpt on sys.path)
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from common import (
     MIB,
-    REPO,
-    _barrier,
-    _build_model,
-    _fmt,
-    _indent,
-    _make_batches,
-    _proc_status_kib,
-    _reset_peak_rss,
-    _spawn,
+    MODEL_FIELDS,
+    Block,
+    barrier,
+    build_model,
+    default_out,
+    fmt,
+    indent,
     machine_info,
+    make_batches,
+    proc_status_kib,
+    pyplot,
+    reset_peak_rss,
+    rss_kib,
+    save_figure,
+    spawn_ranks,
+    utc_now,
+    write_json,
 )
-from step_time import PRESETS as STEP_TIME_PRESETS  # noqa: E402
+from common import PRESETS as STEP_TIME_PRESETS
 
-MODEL_FIELDS = ("d_model", "n_layer", "n_head", "batch_size", "seq_len", "vocab_size")
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(d_model=64, n_layer=2, n_head=4, batch_size=2, seq_len=32, vocab_size=512, device="cpu"),
     # GPT-2-medium width, half its depth, GPT-2 vocabulary: 203M parameters (the "168M CPU preset").
@@ -117,9 +117,9 @@ class PeakRSS:
         self.base_kib = 0
 
     def __enter__(self) -> PeakRSS:
-        if self.method == "vmhwm" and not _reset_peak_rss():
+        if self.method == "vmhwm" and not reset_peak_rss():
             raise RuntimeError("resetting VmHWM via /proc/self/clear_refs stopped working")
-        self.base_kib = _proc_status_kib("VmRSS")["VmRSS"] or 0
+        self.base_kib = rss_kib()
         if self.method == "sampler":
             self._max_kib = self.base_kib
             self._stop.clear()
@@ -129,7 +129,7 @@ class PeakRSS:
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            self._max_kib = max(self._max_kib, _proc_status_kib("VmRSS")["VmRSS"] or 0)
+            self._max_kib = max(self._max_kib, rss_kib())
             self._stop.wait(0.005)
 
     def __exit__(self, *exc: Any) -> None:
@@ -137,10 +137,10 @@ class PeakRSS:
             self._stop.set()
             assert self._thread is not None
             self._thread.join()
-            self._max_kib = max(self._max_kib, _proc_status_kib("VmRSS")["VmRSS"] or 0)
+            self._max_kib = max(self._max_kib, rss_kib())
         else:
-            self._max_kib = _proc_status_kib("VmHWM")["VmHWM"] or 0
-        self.rss_after_kib = _proc_status_kib("VmRSS")["VmRSS"] or 0
+            self._max_kib = proc_status_kib("VmHWM")["VmHWM"] or 0
+        self.rss_after_kib = rss_kib()
 
     @property
     def extra_mib(self) -> float:
@@ -192,8 +192,6 @@ def _tensor_bytes(obj: Any) -> tuple[int, int, int]:
 
 
 def _shard(name: str, model: torch.nn.Module, world_size: int) -> torch.nn.Module:
-    from model import Block
-
     if name == "flatshard":
         import flatshard
 
@@ -287,7 +285,7 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
     device = torch.device("cpu")
     info: dict[str, Any] = {"rank": rank}
     t_setup = time.perf_counter()
-    model = _build_model(cfg)
+    model = build_model(cfg)
     info["num_params"] = sum(p.numel() for p in model.parameters())  # tied weight counted once
     model = _shard(name, model, world_size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -295,7 +293,7 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
     info["param_names"] = [n for n, _ in model.named_parameters()] if rank == 0 else None
 
     # One training step so that AdamW has state.
-    (idx, tgt), *_ = _make_batches(dict(cfg, warmup=0, steps=1), rank, world_size, device)
+    (idx, tgt), *_ = make_batches(dict(cfg, warmup=0, steps=1), rank, world_size, device)
     loss = F.cross_entropy(model(idx).view(-1, cfg["vocab_size"]), tgt.view(-1))
     loss.backward()
     opt.step()
@@ -307,18 +305,18 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
         info["fsdp1_offload_to_cpu"] = cfg["fsdp1_offload"] == "on"
     # Untimed warm-up gathers (first-call costs).
     for _ in range(cfg["warmup"]):
-        _barrier(device)
+        barrier(device)
         msd, osd = _gather(name, model, opt, info)
         del msd, osd
     gc.collect()
     info["malloc_trim"] = _malloc_trim(cfg)
-    _barrier(device)
+    barrier(device)
     info["setup_s"] = time.perf_counter() - t_setup
-    info["rss_before_gather_mib"] = round((_proc_status_kib("VmRSS")["VmRSS"] or 0) / 1024, 1)
+    info["rss_before_gather_mib"] = round(rss_kib() / 1024, 1)
 
     method = cfg["memory_method"]
     if method == "auto":
-        method = "vmhwm" if _reset_peak_rss() else "sampler"
+        method = "vmhwm" if reset_peak_rss() else "sampler"
     info["memory_method"] = method
 
     times: list[float] = []
@@ -332,7 +330,7 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
             msd = osd = None
             gc.collect()
             _malloc_trim(cfg)
-        _barrier(device)
+        barrier(device)
         with PeakRSS(method) as probe:
             t0 = time.perf_counter()
             msd, osd = _gather(name, model, opt, info)
@@ -374,7 +372,7 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
         del obj
     del msd, osd
     gc.collect()
-    _barrier(device)
+    barrier(device)
 
     # Load on every rank (mmap: tensors are paged in when touched).
     t0 = time.perf_counter()
@@ -383,11 +381,11 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
     if name == "flatshard":
         import flatshard
 
-        _barrier(device)
+        barrier(device)
         t0 = time.perf_counter()
         flatshard.set_state_dict(model, opt, loaded["model"], loaded["optim"])
         info["set_state_dict_s"] = time.perf_counter() - t0
-        _barrier(device)
+        barrier(device)
         # Round trip (untimed): gathering again must give back exactly what was loaded.
         msd2, osd2 = flatshard.get_state_dict(model, opt, full=True, rank0_only=True, cpu_offload=True)
         if rank == 0:
@@ -398,7 +396,7 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
         del msd2, osd2
     del loaded
     gc.collect()
-    _barrier(device)
+    barrier(device)
     return info
 
 
@@ -626,17 +624,17 @@ def format_table(results: dict[str, dict[str, Any]], ratios: dict[str, dict[str,
         rows.append(
             [
                 name,
-                _fmt(r["gather_s"], ".3f"),
-                _fmt(r["gather_s_min"], ".3f"),
-                " / ".join(_fmt(x, ".0f") for x in r["extra_peak_mib_per_rank"]),
-                _fmt(r["transient_mib_per_rank"][0], ".0f"),
-                _fmt(r["full_state_bytes"] / MIB, ".0f"),
-                _fmt(r["rank0_extra_over_state"], ".2f"),
-                _fmt(r["save_s"], ".2f"),
-                _fmt(r["load_s"], ".3f"),
-                _fmt(r.get("set_state_dict_s"), ".3f"),
-                "1 (ref)" if ref else _fmt(rat and rat["gather_time_ratio"], ".3f"),
-                "1 (ref)" if ref else _fmt(rat and rat["rank0_extra_mem_ratio"], ".2f"),
+                fmt(r["gather_s"], ".3f"),
+                fmt(r["gather_s_min"], ".3f"),
+                " / ".join(fmt(x, ".0f") for x in r["extra_peak_mib_per_rank"]),
+                fmt(r["transient_mib_per_rank"][0], ".0f"),
+                fmt(r["full_state_bytes"] / MIB, ".0f"),
+                fmt(r["rank0_extra_over_state"], ".2f"),
+                fmt(r["save_s"], ".2f"),
+                fmt(r["load_s"], ".3f"),
+                fmt(r.get("set_state_dict_s"), ".3f"),
+                "1 (ref)" if ref else fmt(rat and rat["gather_time_ratio"], ".3f"),
+                "1 (ref)" if ref else fmt(rat and rat["rank0_extra_mem_ratio"], ".2f"),
             ]
         )
     widths = [max([len(h), *(len(r[i]) for r in rows if len(r) > 2)]) for i, h in enumerate(headers)]
@@ -653,11 +651,7 @@ def format_table(results: dict[str, dict[str, Any]], ratios: dict[str, dict[str,
 
 
 def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ok = {k: v for k, v in results.items() if v.get("status") == "ok"}
     names = list(ok)
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(max(9, 2.5 * len(names) + 4), 4.5))
@@ -703,16 +697,13 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     failed = [k for k, v in results.items() if v.get("status") != "ok"]
     if failed:
         title += f"  [failed: {', '.join(failed)}]"
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 def _reference_param_names(cfg: dict[str, Any]) -> list[str]:
     """``named_parameters()`` of the unsharded GPT, built on the meta device (no memory)."""
     with torch.device("meta"):
-        model = _build_model(cfg)
+        model = build_model(cfg)
     return [n for n, _ in model.named_parameters()]
 
 
@@ -800,7 +791,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown contender(s) {unknown}; choose from {', '.join(ALL_CONTENDERS)}")
     ws = cfg["world_size"]
-    out = args.out or REPO / "docs" / "bench" / f"checkpoint_{args.preset}.json"
+    out = args.out or default_out(f"checkpoint_{args.preset}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.tmpdir is not None:
         args.tmpdir.mkdir(parents=True, exist_ok=True)
@@ -809,7 +800,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report: dict[str, Any] = {
         "benchmark": "checkpoint",
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine_info(cfg),
         "config": cfg,
@@ -839,7 +830,9 @@ def main(argv: list[str] | None = None) -> int:
             res = None
             for attempt in attempts:
                 try:
-                    per_rank = _spawn(run_contender, ws, name, attempt, backend="gloo", timeout=args.timeout)
+                    per_rank = spawn_ranks(
+                        run_contender, ws, name, attempt, backend="gloo", timeout=args.timeout
+                    )
                     res = summarize(name, per_rank)
                     break
                 except Exception as err:  # record it, then the fallback or the next contender
@@ -850,7 +843,7 @@ def main(argv: list[str] | None = None) -> int:
                     earlier_errors.append(msg)
                     more = " (retrying with offload_to_cpu=False)" if attempt is not attempts[-1] else ""
                     print(
-                        f"    FAILED after {time.perf_counter() - t0:.1f}s{more}:\n{_indent(msg)}", flush=True
+                        f"    FAILED after {time.perf_counter() - t0:.1f}s{more}:\n{indent(msg)}", flush=True
                     )
             if res is None:
                 report["results"][name] = {
@@ -956,8 +949,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"  {key:<17} gather time x{r['gather_time_ratio']:.3f} "
                 f"(target <= {TARGET_TIME_RATIO}: {'met' if r['meets_time_target'] else 'NOT met'}), "
-                f"rank-0 extra memory x{_fmt(r['rank0_extra_mem_ratio'], '.2f')}, "
-                f"rank-1 extra memory x{_fmt(r['rank1_extra_mem_ratio'], '.2f')}"
+                f"rank-0 extra memory x{fmt(r['rank0_extra_mem_ratio'], '.2f')}, "
+                f"rank-1 extra memory x{fmt(r['rank1_extra_mem_ratio'], '.2f')}"
             )
     for name, r in results.items():
         if r.get("status") == "ok":
@@ -977,7 +970,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     for n in notes:
         print("note:", n)
-    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    write_json(out, report, default=str)
     png = out.with_suffix(".png")
     title = (
         f"checkpoint {args.preset}: d{cfg['d_model']} L{cfg['n_layer']} V{cfg['vocab_size']}, "

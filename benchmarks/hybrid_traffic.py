@@ -2,7 +2,7 @@
 
 Four gloo ranks play 2 nodes x 2 devices. Each contender trains the GPT of ``examples/gpt/model.py``
 (one unit per block, AdamW) for ``--steps`` steps; flatshard's comm layer counts the bytes each rank puts
-into every collective (``flatshard.engine.comm.comm_stats``). Under HYBRID_SHARD the all-gathers and
+into every collective (``flatshard.engine.transport.comm.comm_stats``). Under HYBRID_SHARD the all-gathers and
 reduce-scatters stay inside a node (the shard group) and only the all-reduce of gradient shards crosses
 nodes (the replicate group); under FULL_SHARD every collective spans both nodes. The table reports bytes
 per rank per step, and the bytes that cross the node boundary per step relative to FULL_SHARD's.
@@ -13,28 +13,20 @@ per rank per step, and the bytes that cross the node boundary per step relative 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import platform
 import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "examples" / "gpt"))
+import torch
+from common import GPT, MIB, Block, GPTConfig, default_out, utc_now, write_json
 
-import torch  # noqa: E402
-
-import flatshard  # noqa: E402
-from flatshard.engine import comm  # noqa: E402
-from flatshard.testing import spawn  # noqa: E402
-
-MIB = 1 << 20
+import flatshard
+from flatshard.engine.transport import comm
+from flatshard.testing import spawn
 
 
 def run(rank: int, world: int, strategy: str, cfg: dict[str, Any]) -> dict[str, float]:
-    from model import GPT, Block, GPTConfig  # examples/gpt/model.py
-
     torch.manual_seed(0)
     model = GPT(
         GPTConfig(
@@ -74,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "hybrid_traffic.json")
+    parser.add_argument("--out", type=Path, default=default_out("hybrid_traffic.json"))
     args = parser.parse_args(argv)
     cfg = {
         "d_model": args.d_model,
@@ -105,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['cross_node'] / MIB:.1f} | {r['cross_node_vs_full_shard']:.2f}x |"
         )
     record = {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "machine": platform.platform(),
         "torch": torch.__version__,
         "command": "python benchmarks/hybrid_traffic.py " + " ".join(argv or sys.argv[1:]),
@@ -114,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    write_json(args.out, record)
     return 0
 
 

@@ -36,33 +36,33 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime as _dt
 import gc
-import json
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
-if str(BENCH_DIR) not in sys.path:
-    sys.path.insert(0, str(BENCH_DIR))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from step_time import (  # noqa: E402  (also puts examples/gpt on sys.path)
-    DESCRIPTIONS,
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from common import (
+    CONTENDER_DESCRIPTIONS,
     MIB,
-    REPO,
-    _build_model,
-    _local_numel,
-    _make_batches,
-    _proc_status_kib,
-    _reset_peak_rss,
-    _wrap,
+    Block,
+    build_model,
+    default_out,
+    local_numel,
     machine_info,
+    make_batches,
+    proc_status_kib,
+    pyplot,
+    reset_peak_rss,
+    rss_kib,
+    save_figure,
+    utc_now,
+    wrap_contender,
+    write_json,
 )
 
 FP32 = 4
@@ -109,26 +109,22 @@ def _malloc_kib(libc: Any | None) -> dict[str, int] | None:
     }
 
 
-def _rss_kib() -> int:
-    return _proc_status_kib("VmRSS")["VmRSS"] or 0
-
-
 def _rss_split_kib() -> dict[str, int]:
-    return {k: v or 0 for k, v in _proc_status_kib(*RSS_KEYS).items()}
+    return {k: v or 0 for k, v in proc_status_kib(*RSS_KEYS).items()}
 
 
 def _shmem_kib() -> dict[str, int]:
     """Shared-memory pages this process maps: resident (``RssShmem``) and its proportional share
     (``Pss_Shmem``: each page divided by the number of processes mapping it)."""
-    rss = _proc_status_kib("RssShmem")["RssShmem"] or 0
-    pss = _proc_status_kib("Pss_Shmem", path="/proc/self/smaps_rollup")["Pss_Shmem"]
+    rss = proc_status_kib("RssShmem")["RssShmem"] or 0
+    pss = proc_status_kib("Pss_Shmem", path="/proc/self/smaps_rollup")["Pss_Shmem"]
     return {"rss": rss, "pss": rss if pss is None else pss}  # no smaps_rollup: count shared pages fully
 
 
 def _phase_peak_kib() -> int:
     """VmHWM since the last reset, then reset it again (to the current RSS)."""
-    peak = _proc_status_kib("VmHWM")["VmHWM"] or 0
-    _reset_peak_rss()
+    peak = proc_status_kib("VmHWM")["VmHWM"] or 0
+    reset_peak_rss()
     return peak
 
 
@@ -146,7 +142,7 @@ def _warm_up_kernels(cfg: dict[str, Any]) -> None:
     the baseline includes the code pages of the kernels training runs (file-backed libtorch pages, ~10 MiB,
     the same for every model size and world size). Plain torch: nothing of flatshard's is set up here, so
     its own buffers (the transport's segments among them) are all measured."""
-    tiny = _build_model(dict(cfg, d_model=64, n_layer=1, n_head=1))
+    tiny = build_model(dict(cfg, d_model=64, n_layer=1, n_head=1))
     opt = torch.optim.AdamW(tiny.parameters(), lr=1e-4)
     idx = torch.randint(0, cfg["vocab_size"], (cfg["batch_size"], cfg["seq_len"]))
     F.cross_entropy(tiny(idx).view(-1, cfg["vocab_size"]), idx.view(-1)).backward()
@@ -162,26 +158,26 @@ def run(
     torch.set_num_threads(cfg["threads"])
     from flatshard.testing.activations import saved_activation_bytes
 
-    batches = _make_batches(dict(cfg, warmup=0), rank, world, torch.device("cpu"))
+    batches = make_batches(dict(cfg, warmup=0), rank, world, torch.device("cpu"))
     _warm_up_imports()
     _warm_up_kernels(cfg)
     gc.collect()
     dist.barrier()
     libc = _libc()
-    info: dict[str, Any] = {"rss_base_kib": _rss_kib()}  # everything measured is relative to this
+    info: dict[str, Any] = {"rss_base_kib": rss_kib()}  # everything measured is relative to this
     info["base_split_kib"] = _rss_split_kib()
     info["base_malloc_kib"] = _malloc_kib(libc)
 
-    model = _build_model(cfg)
+    model = build_model(cfg)
     info["num_params"] = sum(p.numel() for p in model.parameters())  # tied embedding/head once
-    info["rss_after_build_kib"] = _rss_kib()
+    info["rss_after_build_kib"] = rss_kib()
     model = _shard(contender, model, cfg, info)
-    info["local_param_numel"] = _local_numel(model)  # what this rank's parameters hold
+    info["local_param_numel"] = local_numel(model)  # what this rank's parameters hold
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gc.collect()
     dist.barrier()
-    info["rss_after_setup_kib"] = _rss_kib()
-    info["hwm_reset"] = _reset_peak_rss()
+    info["rss_after_setup_kib"] = rss_kib()
+    info["hwm_reset"] = reset_peak_rss()
 
     vocab = cfg["vocab_size"]
     phase_peaks: list[dict[str, int]] = []
@@ -205,13 +201,13 @@ def run(
         losses.append(loss.item())
     info["phase_peaks_kib"] = phase_peaks
     info["peak_kib"] = max(max(p.values()) for p in phase_peaks)
-    info["rss_after_train_kib"] = _rss_kib()
+    info["rss_after_train_kib"] = rss_kib()
     info["after_train_split_kib"] = _rss_split_kib()  # RssFile growth: code pages of the kernels used
     info["shmem_kib"] = _shmem_kib()  # the transport's segments: mapped by every rank, resident once
     info["phase_malloc_kib"] = phase_malloc
     if libc is not None:  # how much of the RSS is free memory malloc kept: give it back and look again
         libc.malloc_trim(0)
-        info["rss_after_trim_kib"] = _rss_kib()
+        info["rss_after_trim_kib"] = rss_kib()
     info["losses"] = losses
     if count_activations:  # after the measured steps, so it cannot change them
         idx, tgt = batches[0]
@@ -231,11 +227,10 @@ def _shard(
         peer_cfg = dict(
             cfg, precision="fp32", flatshard_forward_prefetch="off", fsdp1_forward_prefetch="same"
         )
-        return _wrap(contender, model, peer_cfg, dist.get_rank(), torch.device("cpu"), info)
-    from model import Block  # examples/gpt/model.py
+        return wrap_contender(contender, model, peer_cfg, dist.get_rank(), torch.device("cpu"), info)
 
     import flatshard
-    from flatshard.engine.shard import unit_states
+    from flatshard.engine import unit_states
 
     prefetch = None if cfg["backward_prefetch"] == "none" else cfg["backward_prefetch"]
     flatshard.shard(
@@ -278,11 +273,7 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
 def plot(
     rows: list[dict[str, Any]], worlds: list[int], allocators: list[str], path: Path, title: str
 ) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(
         1, len(allocators), figsize=(6.5 * len(allocators), 5), sharey=True, squeeze=False
     )
@@ -323,10 +314,7 @@ def plot(
         }
         ax.set_title(f"{alloc}: {short[alloc]}", fontsize=9)
     axes[0][0].set_ylabel("MiB per rank: peak RSS during training - RSS before model build")
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -609,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
         "sharding": "one unit per Block, fp32; flatshard FULL_SHARD (theory from its units), peers as listed",
         "backward_prefetch": args.backward_prefetch,
     }
-    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    started = utc_now()
     machine = machine_info(base_cfg)
     rows: list[dict[str, Any]] = []
     t_start = time.perf_counter()
@@ -659,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     print("theory components (MiB per rank):")
     print(theory_table)
     machine["loadavg_at_end"] = list(os.getloadavg())
-    out = args.out or REPO / "docs" / "bench" / "memory_cpu.json"
+    out = args.out or default_out("memory_cpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     ok = [r for r in rows if "error" not in r]
     ok_flatshard = [r for r in ok if r["contender"] == "flatshard"]
@@ -685,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": dict(
             base_cfg, sizes=args.sizes, world_sizes=worlds, allocators=allocators, tolerance=TOLERANCE
         ),
-        "contenders": {c: DESCRIPTIONS[c] for c in contenders},
+        "contenders": {c: CONTENDER_DESCRIPTIONS[c] for c in contenders},
         "allocators": {a: ALLOCATOR_LABELS[a] for a in allocators},
         "definitions": {
             "measured": "max over ranks of (VmHWM during training, reset with clear_refs after setup) - VmRSS "
@@ -715,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
         "plot": None if plot_note else str(png),
         "plot_note": plot_note,
     }
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out, report)
     print(f"\nwrote {out}" + ("" if plot_note else f" and {png}") + f" in {report['total_seconds']:.0f}s")
     return 0 if ok_flatshard else 1
 

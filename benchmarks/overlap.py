@@ -2,7 +2,7 @@
 
 **CPU** (the default): ``--world-size`` gloo ranks on this host, so flatshard's all-gathers and
 reduce-scatters run on its shared-memory transport, whose worker thread moves the data while the
-training thread computes. Inside :func:`flatshard.engine.comm.timeline` each collective records when it
+training thread computes. Inside :func:`flatshard.engine.transport.comm.timeline` each collective records when it
 was issued, when the worker ran it and when the training thread blocked in ``wait()`` for it
 (*blocked*). Per step and collective kind this reports
 
@@ -39,14 +39,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
-if str(BENCH_DIR) not in sys.path:
-    sys.path.insert(0, str(BENCH_DIR))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from step_time import PRESETS, REPO, _build_model, _make_batches, _median, machine_info  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from common import PRESETS, Block, build_model, default_out, machine_info, make_batches, median, write_json
 
 SETTINGS = {
     # name: (backward_prefetch, forward_prefetch)
@@ -113,21 +109,19 @@ def _timeline_rows(records: list[Any], t0: int) -> list[dict[str, Any]]:
 
 def run_cpu(rank: int, world: int, cfg: dict[str, Any], setting: str) -> dict[str, Any]:
     torch.set_num_threads(cfg["threads"])
-    from model import Block  # examples/gpt/model.py
-
     import flatshard
-    from flatshard.engine import comm
+    from flatshard.engine.transport import comm
 
     backward_prefetch, forward_prefetch = SETTINGS[setting]
     model = flatshard.shard(
-        _build_model(cfg),
+        build_model(cfg),
         sharding_strategy="FULL_SHARD",
         auto_wrap_policy={Block},
         backward_prefetch=backward_prefetch,
         forward_prefetch=forward_prefetch,
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batches = _make_batches(cfg, rank, world, torch.device("cpu"))
+    batches = make_batches(cfg, rank, world, torch.device("cpu"))
     vocab = cfg["vocab_size"]
     steps: list[dict[str, Any]] = []
     first_timeline: list[dict[str, Any]] = []
@@ -152,12 +146,12 @@ def aggregate(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     ranks = []
     for r in per_rank:
         steps = r["steps"]
-        row: dict[str, Any] = {"step_ms": _median([s["step_ms"] for s in steps])}
+        row: dict[str, Any] = {"step_ms": median([s["step_ms"] for s in steps])}
         for kind in KINDS:
             got = [s[kind] for s in steps if kind in s]
             if got:
                 row[kind] = {
-                    k: _median([g[k] for g in got])
+                    k: median([g[k] for g in got])
                     for k in ("count", "mib", "transport_ms", "blocked_ms", "overlapped_ms")
                 }
                 busy = row[kind]["transport_ms"]
@@ -198,7 +192,6 @@ def format_timeline(rows: list[dict[str, Any]], limit: int) -> str:
 
 
 def run_cuda(rank: int, world: int, cfg: dict[str, Any], trace: str | None) -> dict[str, Any]:
-    from model import Block
     from torch.profiler import ProfilerActivity, profile
 
     import flatshard
@@ -207,10 +200,10 @@ def run_cuda(rank: int, world: int, cfg: dict[str, Any], trace: str | None) -> d
     device = torch.device("cuda", rank)
     mp = flatshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = flatshard.shard(
-        _build_model(cfg).to(device), auto_wrap_policy={Block}, mixed_precision=mp, device=device
+        build_model(cfg).to(device), auto_wrap_policy={Block}, mixed_precision=mp, device=device
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batches = _make_batches(cfg, rank, world, device)
+    batches = make_batches(cfg, rank, world, device)
     vocab = cfg["vocab_size"]
 
     def step(idx: torch.Tensor, tgt: torch.Tensor) -> None:
@@ -293,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dict(PRESETS[preset], preset=preset, steps=args.steps, warmup=args.warmup, seed=0)
     cfg["threads"] = args.threads
     cfg["device"] = args.device
-    out_path = args.out or REPO / "docs" / "bench" / f"overlap_{args.device}.json"
+    out_path = args.out or default_out(f"overlap_{args.device}.json")
     started = time.time()
     report: dict[str, Any] = {
         "benchmark": "overlap",
@@ -330,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         report.update(world_size=world, results=results, table=table)
     report["total_seconds"] = round(time.time() - started, 1)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(out_path, report, indent=1)
     print(f"\nwrote {out_path}")
     return 0
 

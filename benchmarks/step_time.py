@@ -19,46 +19,45 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as _dt
 import gc
-import json
-import math
 import os
-import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-GPT_DIR = REPO / "examples" / "gpt"
-if str(GPT_DIR) not in sys.path:  # module level, so spawned workers can import the model too
-    sys.path.insert(0, str(GPT_DIR))
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from common import (
+    CONTENDER_DESCRIPTIONS,
+    FLATSHARD_CONTENDERS,
+    MIB,
+    MODEL_FIELDS,
+    PRESETS,
+    barrier,
+    build_model,
+    default_out,
+    fmt,
+    indent,
+    local_numel,
+    machine_info,
+    make_batches,
+    median,
+    mib,
+    proc_status_kib,
+    pyplot,
+    reset_peak_rss,
+    save_figure,
+    spawn_ranks,
+    utc_now,
+    wrap_contender,
+    write_json,
+)
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # vocab 8192 rather than GPT-2's 50257 keeps the small preset dominated by the transformer blocks.
-    "cpu-small": dict(
-        d_model=512, n_layer=8, n_head=8, batch_size=8, seq_len=128, vocab_size=8192, device="cpu"
-    ),
-    "cpu-large": dict(
-        d_model=1024, n_layer=12, n_head=16, batch_size=1, seq_len=64, vocab_size=50257, device="cpu"
-    ),
-    "cuda-1b": dict(
-        d_model=2048, n_layer=18, n_head=16, batch_size=4, seq_len=1024, vocab_size=50257, device="cuda"
-    ),
-}
-MODEL_FIELDS = ("d_model", "n_layer", "n_head", "batch_size", "seq_len", "vocab_size")
-
-FLATSHARD_CONTENDERS = ("flatshard", "flatshard_grad_op")
 ALL_CONTENDERS = (
     "flatshard",
     "fsdp1",
@@ -69,241 +68,11 @@ ALL_CONTENDERS = (
     "fsdp2_grad_op",
 )
 DEFAULT_CONTENDERS = ("flatshard", "fsdp1", "fsdp2", "ddp", "flatshard_grad_op")
-DESCRIPTIONS = {
-    "flatshard": "flatshard.shard FULL_SHARD, auto_wrap_policy={Block}",
-    "flatshard_grad_op": "flatshard.shard SHARD_GRAD_OP, auto_wrap_policy={Block}",
-    "fsdp1": "torch FSDP1 FULL_SHARD, ModuleWrapPolicy({Block}), use_orig_params=True",
-    "fsdp1_grad_op": "torch FSDP1 SHARD_GRAD_OP, ModuleWrapPolicy({Block}), use_orig_params=True",
-    "fsdp2": "torch FSDP2 fully_shard per Block then root (reshard_after_forward=True)",
-    "fsdp2_grad_op": "torch FSDP2 fully_shard per Block then root, reshard_after_forward=False",
-    "ddp": "torch DistributedDataParallel (full replica per rank)",
-}
-MIB = 1024 * 1024
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Helpers used inside the ranks
+# Inside the ranks
 # ----------------------------------------------------------------------------------------------------------
-
-
-def _proc_status_kib(*keys: str, path: str = "/proc/self/status") -> dict[str, int | None]:
-    """``name: value kB`` lines of a /proc file (``None`` for a missing key or file)."""
-    out: dict[str, int | None] = dict.fromkeys(keys)
-    try:
-        with open(path) as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if name in out:
-                    out[name] = int(rest.split()[0])
-    except OSError:
-        pass
-    return out
-
-
-def _mib(kib: int | None) -> float | None:
-    return None if kib is None else round(kib / 1024, 1)
-
-
-def _reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (``echo 5 > /proc/self/clear_refs``); False if not permitted."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    st = _proc_status_kib("VmHWM", "VmRSS")
-    # Verify: right after a reset the high-water mark is (about) the current RSS.
-    return st["VmHWM"] is not None and st["VmRSS"] is not None and st["VmHWM"] <= st["VmRSS"] + 1024
-
-
-def _build_model(cfg: dict[str, Any]) -> torch.nn.Module:
-    from model import GPT, GPTConfig  # examples/gpt/model.py
-
-    torch.manual_seed(cfg["seed"])  # identical init on every rank and for every contender
-    config = GPTConfig(
-        vocab_size=cfg["vocab_size"],
-        block_size=cfg["seq_len"],
-        n_layer=cfg["n_layer"],
-        n_head=cfg["n_head"],
-        d_model=cfg["d_model"],
-        dropout=0.0,
-        tie_weights=True,
-        bias=True,
-    )
-    return GPT(config)
-
-
-def _make_batches(cfg: dict[str, Any], rank: int, world_size: int, device: torch.device) -> list[Any]:
-    """One global batch per step from a fixed seed; this rank takes its slice (same for all contenders)."""
-    n = cfg["warmup"] + cfg["steps"]
-    b = cfg["batch_size"]
-    out = []
-    for step in range(n):
-        g = torch.Generator().manual_seed(cfg["seed"] * 100_003 + 1000 + step)
-        tokens = torch.randint(0, cfg["vocab_size"], (b * world_size, cfg["seq_len"] + 1), generator=g)
-        mine = tokens[rank * b : (rank + 1) * b]
-        out.append((mine[:, :-1].contiguous().to(device), mine[:, 1:].contiguous().to(device)))
-    return out
-
-
-def _local_numel(model: torch.nn.Module) -> int:
-    total = 0
-    for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p  # FSDP2 DTensor -> this rank's shard
-        total += local.numel()
-    return total
-
-
-def _mp_dtypes(cfg: dict[str, Any]) -> tuple[torch.dtype, torch.dtype]:
-    return torch.bfloat16, getattr(torch, cfg["reduce_dtype"])
-
-
-def _wrap_flatshard(
-    model: torch.nn.Module, cfg: dict[str, Any], device: torch.device, strategy: str, info: dict[str, Any]
-) -> torch.nn.Module:
-    """Shard with flatshard. Options this flatshard does not implement yet (``NotImplementedError``) are
-    dropped one at a time when they were asked for in ``auto`` mode (or are the bf16 mixed precision):
-    first the one the error message names, else mixed precision, forward prefetch, backward prefetch."""
-    from model import Block
-
-    import flatshard
-
-    bwd = cfg["flatshard_backward_prefetch"]
-    fwd = cfg["flatshard_forward_prefetch"]
-    opts: dict[str, Any] = {
-        "mixed_precision": None,
-        "forward_prefetch": fwd in ("on", "auto"),
-        "backward_prefetch": {"auto": "BACKWARD_PRE", "none": None}.get(bwd, bwd),
-    }
-    defaults: dict[str, Any] = {"mixed_precision": None, "forward_prefetch": False, "backward_prefetch": None}
-    droppable = []
-    if cfg["precision"] == "bf16-mixed":
-        param_dtype, reduce_dtype = _mp_dtypes(cfg)
-        opts["mixed_precision"] = flatshard.MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        droppable.append("mixed_precision")  # then flatshard runs in fp32, and the output says so
-    if fwd == "auto":
-        droppable.append("forward_prefetch")
-    if bwd == "auto":
-        droppable.append("backward_prefetch")
-    fallbacks: list[str] = []
-    shapes = [p.shape for p in model.parameters()]
-    while True:
-        touched = [p.shape for p in model.parameters()] != shapes or any(
-            flatshard.is_sharded(m) for m in model.modules()
-        )
-        if touched:  # a failed shard() changed the module: rebuild it from the seed
-            model = _build_model(cfg)
-        try:
-            flatshard.shard(
-                model,
-                sharding_strategy=strategy,
-                auto_wrap_policy={Block},
-                limit_all_gathers=True,
-                device=device,
-                **opts,
-            )
-            break
-        except NotImplementedError as err:
-            candidates = [k for k in droppable if opts[k] != defaults[k]]
-            if not candidates:
-                raise
-            named = [k for k in candidates if k in str(err)]
-            drop = (named or candidates)[0]
-            fallbacks.append(
-                f"{drop}={opts[drop]!r} -> {defaults[drop]!r} (NotImplementedError: {str(err).splitlines()[0]})"
-            )
-            opts[drop] = defaults[drop]
-    info["flatshard_options"] = {
-        "backward_prefetch": opts["backward_prefetch"],
-        "forward_prefetch": opts["forward_prefetch"],
-        "mixed_precision": None if opts["mixed_precision"] is None else repr(opts["mixed_precision"]),
-        "limit_all_gathers": True,
-        "requested": {"backward_prefetch": bwd, "forward_prefetch": fwd, "precision": cfg["precision"]},
-        "fallbacks": fallbacks,
-    }
-    if cfg["precision"] == "bf16-mixed" and opts["mixed_precision"] is None:
-        info["precision_used"] = "fp32 (flatshard mixed precision not available: see fallbacks)"
-    return model
-
-
-def _wrap(
-    name: str, model: torch.nn.Module, cfg: dict[str, Any], rank: int, device: torch.device, info: dict
-) -> torch.nn.Module:
-    from model import Block
-
-    mixed = cfg["precision"] == "bf16-mixed"
-    if name in FLATSHARD_CONTENDERS:
-        strategy = "FULL_SHARD" if name == "flatshard" else "SHARD_GRAD_OP"
-        return _wrap_flatshard(model, cfg, device, strategy, info)
-    if name in ("fsdp1", "fsdp1_grad_op"):
-        from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
-        from torch.distributed.fsdp import MixedPrecision as FSDPMixedPrecision
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-        mp = None
-        if mixed:
-            param_dtype, reduce_dtype = _mp_dtypes(cfg)
-            mp = FSDPMixedPrecision(
-                param_dtype=param_dtype, reduce_dtype=reduce_dtype, buffer_dtype=param_dtype
-            )
-        # By default FSDP1 prefetches in forward exactly when flatshard is asked to (like for like);
-        # --fsdp1-forward-prefetch off keeps FSDP1 at its own default instead.
-        fwd_prefetch = (
-            cfg["flatshard_forward_prefetch"] in ("on", "auto")
-            and cfg.get("fsdp1_forward_prefetch", "same") != "off"
-        )
-        info["fsdp1_options"] = {
-            "backward_prefetch": "BACKWARD_PRE (FSDP1 default)",
-            "forward_prefetch": fwd_prefetch,
-            "limit_all_gathers": True,
-            "device_id": str(device),
-        }
-        return FullyShardedDataParallel(
-            model,
-            sharding_strategy=ShardingStrategy.FULL_SHARD
-            if name == "fsdp1"
-            else ShardingStrategy.SHARD_GRAD_OP,
-            auto_wrap_policy=ModuleWrapPolicy({Block}),
-            use_orig_params=True,
-            # torch 2.13 refuses device_id=None for a CPU module ("FSDP needs a non-CPU accelerator
-            # device"); an explicit CPU device selects FSDP1's CPU/gloo path.
-            device_id=device,
-            mixed_precision=mp,
-            backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
-            forward_prefetch=fwd_prefetch,
-            limit_all_gathers=True,
-        )
-    if name in ("fsdp2", "fsdp2_grad_op"):
-        try:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        except ImportError:  # torch < 2.6
-            from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": name == "fsdp2"}
-        if mixed:
-            param_dtype, reduce_dtype = _mp_dtypes(cfg)
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        for block in model.blocks:
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
-        return model
-    if name == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        if device.type == "cuda":
-            return DistributedDataParallel(model.to(device), device_ids=[rank])
-        return DistributedDataParallel(model)
-    raise ValueError(f"unknown contender {name!r}")
-
-
-def _barrier(device: torch.device) -> None:
-    if device.type == "cuda":
-        dist.barrier(device_ids=[device.index])
-        torch.cuda.synchronize(device)
-    else:
-        dist.barrier()
 
 
 def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -316,12 +85,12 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
     info: dict[str, Any] = {"rank": rank, "precision_used": cfg["precision"]}
     t_setup = time.perf_counter()
 
-    model = _build_model(cfg)
+    model = build_model(cfg)
     info["num_params"] = sum(p.numel() for p in model.parameters())  # tied weight counted once
-    model = _wrap(name, model, cfg, rank, device, info)
-    info["local_param_numel"] = _local_numel(model)
+    model = wrap_contender(name, model, cfg, rank, device, info)
+    info["local_param_numel"] = local_numel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batches = _make_batches(cfg, rank, world_size, device)
+    batches = make_batches(cfg, rank, world_size, device)
     mixed = info["precision_used"] == "bf16-mixed"
     autocast = (
         (lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16))
@@ -340,12 +109,12 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
         return loss.detach()
 
     gc.collect()
-    _barrier(device)
+    barrier(device)
     info["setup_s"] = time.perf_counter() - t_setup
-    st = _proc_status_kib("VmHWM", "VmRSS")
-    info["rss_after_setup_mib"] = _mib(st["VmRSS"])
-    info["hwm_after_setup_mib"] = _mib(st["VmHWM"])  # process-lifetime peak: includes building the model
-    info["hwm_reset"] = _reset_peak_rss()
+    st = proc_status_kib("VmHWM", "VmRSS")
+    info["rss_after_setup_mib"] = mib(st["VmRSS"])
+    info["hwm_after_setup_mib"] = mib(st["VmHWM"])  # process-lifetime peak: includes building the model
+    info["hwm_reset"] = reset_peak_rss()
     if device.type == "cuda":
         info["cuda_allocated_after_setup_mib"] = torch.cuda.memory_allocated(device) / MIB
         torch.cuda.reset_peak_memory_stats(device)
@@ -354,7 +123,7 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
     losses: list[torch.Tensor] = []
     times: list[float] = []
     for i, (idx, tgt) in enumerate(batches):
-        _barrier(device)
+        barrier(device)
         t0 = time.perf_counter()
         loss = step(idx, tgt)
         if device.type == "cuda":
@@ -370,9 +139,9 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
     info["train_user_s"] = round(ru1.ru_utime - ru0.ru_utime, 3)
     info["train_sys_s"] = round(ru1.ru_stime - ru0.ru_stime, 3)
     info["train_minor_faults"] = ru1.ru_minflt - ru0.ru_minflt
-    st = _proc_status_kib("VmHWM", "VmRSS")
-    info["peak_rss_train_mib"] = _mib(st["VmHWM"])  # training peak if hwm_reset, else process peak
-    info["rss_after_train_mib"] = _mib(st["VmRSS"])
+    st = proc_status_kib("VmHWM", "VmRSS")
+    info["peak_rss_train_mib"] = mib(st["VmHWM"])  # training peak if hwm_reset, else process peak
+    info["rss_after_train_mib"] = mib(st["VmRSS"])
     if st["VmHWM"] is not None and info["rss_after_setup_mib"] is not None:
         info["peak_rss_increase_mib"] = round(st["VmHWM"] / 1024 - info["rss_after_setup_mib"], 1)
     if device.type == "cuda":
@@ -394,33 +163,23 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str, timeout: float) -> list[Any]:
-    from flatshard.testing import spawn
-
-    return spawn(fn, world_size, *args, backend=backend, timeout=timeout)
-
-
-def _median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
 def summarize(name: str, runs: list[list[dict[str, Any]]], cfg: dict[str, Any], world_size: int) -> dict:
     """Aggregate the per-rank results of one or more runs (repeats) of a contender."""
     tokens_per_step = cfg["batch_size"] * world_size * cfg["seq_len"]
-    rank0_medians = [_median(r[0]["step_times_s"]) for r in runs]
+    rank0_medians = [median(r[0]["step_times_s"]) for r in runs]
     # Per step, the slowest rank sets the pace; median of that over steps.
-    slowest = [_median([max(ts) for ts in zip(*[rank["step_times_s"] for rank in r])]) or 0.0 for r in runs]
+    slowest = [median([max(ts) for ts in zip(*[rank["step_times_s"] for rank in r])]) or 0.0 for r in runs]
     med = statistics.median([m for m in rank0_medians if m is not None])
     last = runs[-1]
     res: dict[str, Any] = {
         "status": "ok",
-        "description": DESCRIPTIONS[name],
+        "description": CONTENDER_DESCRIPTIONS[name],
         "num_params": last[0]["num_params"],
         "local_param_numel_per_rank": [r["local_param_numel"] for r in last],
         "median_step_s": med,
         "median_step_s_per_run": rank0_medians,
-        "median_step_s_per_rank": [_median(r["step_times_s"]) for r in last],
-        "max_over_ranks_median_step_s": max(_median(r["step_times_s"]) or 0.0 for r in last),
+        "median_step_s_per_rank": [median(r["step_times_s"]) for r in last],
+        "max_over_ranks_median_step_s": max(median(r["step_times_s"]) or 0.0 for r in last),
         "median_of_slowest_rank_step_s": statistics.median(slowest),
         "min_step_s": min(min(r[0]["step_times_s"]) for r in runs),
         "tokens_per_s": tokens_per_step / med if med else None,
@@ -482,14 +241,6 @@ def _safe_ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-def _fmt(v: Any, spec: str = ".3f") -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float) and math.isnan(v):
-        return "nan"
-    return format(v, spec)
-
-
 def format_table(results: dict[str, dict[str, Any]], ratios: dict[str, dict[str, Any]], cuda: bool) -> str:
     ref = "flatshard" if results.get("flatshard", {}).get("status") == "ok" else None
     headers = [
@@ -513,24 +264,24 @@ def format_table(results: dict[str, dict[str, Any]], ratios: dict[str, dict[str,
             continue
         row = [
             name,
-            _fmt(r["median_step_s"], ".4f"),
-            _fmt(r["min_step_s"], ".4f"),
-            _fmt(r["median_of_slowest_rank_step_s"], ".4f"),
-            _fmt(r["tokens_per_s"], ".0f"),
+            fmt(r["median_step_s"], ".4f"),
+            fmt(r["min_step_s"], ".4f"),
+            fmt(r["median_of_slowest_rank_step_s"], ".4f"),
+            fmt(r["tokens_per_s"], ".0f"),
             f"{r['train_sys_s_per_rank'][0]:.1f} / {r['train_user_s_per_rank'][0]:.1f}",
-            " / ".join(_fmt(x, ".0f") for x in r["peak_rss_train_mib_per_rank"]),
-            " / ".join(_fmt(x, ".0f") for x in r["peak_rss_increase_mib_per_rank"]),
+            " / ".join(fmt(x, ".0f") for x in r["peak_rss_train_mib_per_rank"]),
+            " / ".join(fmt(x, ".0f") for x in r["peak_rss_increase_mib_per_rank"]),
         ]
         if cuda:
             row += [
-                " / ".join(_fmt(x, ".0f") for x in r["cuda_max_allocated_mib_per_rank"]),
+                " / ".join(fmt(x, ".0f") for x in r["cuda_max_allocated_mib_per_rank"]),
                 " / ".join(str(x) for x in r["cuda_num_alloc_retries_per_rank"]),
             ]
         rat = ratios.get(f"{ref}/{name}") if ref else None
         row += [
-            _fmt(r["final_loss"], ".5f"),
-            "1 (ref)" if name == ref else _fmt(rat and rat["step_time_ratio"], ".2f"),
-            "1 (ref)" if name == ref else _fmt(rat and rat["peak_rss_ratio"], ".2f"),
+            fmt(r["final_loss"], ".5f"),
+            "1 (ref)" if name == ref else fmt(rat and rat["step_time_ratio"], ".2f"),
+            "1 (ref)" if name == ref else fmt(rat and rat["peak_rss_ratio"], ".2f"),
         ]
         rows.append(row)
     widths = [max([len(h), *(len(r[i]) for r in rows if len(r) > 2)]) for i, h in enumerate(headers)]
@@ -555,17 +306,13 @@ def format_ratios(ratios: dict[str, dict[str, Any]]) -> str:
         lines.append(
             f"  {key:<32} step time x{r['step_time_ratio']:.2f} (min x{r['min_step_time_ratio']:.2f}), "
             f"peak RSS x{r['peak_rss_ratio']:.2f}, "
-            f"training RSS increase x{_fmt(r['peak_rss_increase_ratio'], '.2f')}{extra}"
+            f"training RSS increase x{fmt(r['peak_rss_increase_ratio'], '.2f')}{extra}"
         )
     return "\n".join(lines)
 
 
 def plot(results: dict[str, dict[str, Any]], cfg: dict[str, Any], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     ok = {k: v for k, v in results.items() if v.get("status") == "ok"}
     names = list(ok)
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(max(9, 2.2 * len(names) + 4), 4.5))
@@ -612,53 +359,7 @@ def plot(results: dict[str, dict[str, Any]], cfg: dict[str, Any], path: Path, ti
     failed = [k for k, v in results.items() if v.get("status") != "ok"]
     if failed:
         title += f"  [failed: {', '.join(failed)}]"
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _git_commit() -> str | None:
-    try:
-        rev = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--", "src"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.split("\n")
-    except (OSError, subprocess.SubprocessError):
-        return None
-    changed = [line[3:] for line in dirty if line.strip()]
-    return f"{rev} + uncommitted changes in {', '.join(changed)}" if changed else (rev or None)
-
-
-def machine_info(cfg: dict[str, Any]) -> dict[str, Any]:
-    import flatshard
-
-    info: dict[str, Any] = {
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "flatshard": getattr(flatshard, "__version__", None),
-        "git_commit": _git_commit(),
-        "loadavg_at_start": list(os.getloadavg()),
-    }
-    try:
-        with open("/proc/meminfo") as f:
-            info["mem_total_gib"] = round(int(f.readline().split()[1]) / 1024**2, 1)
-    except OSError:
-        pass
-    if cfg["device"] == "cuda" and torch.cuda.is_available():
-        info["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        info["cuda_version"] = torch.version.cuda
-    return info
+    save_figure(fig, path, title)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -783,12 +484,12 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--device cuda needs {ws} GPUs (one per rank); found {n}")
     if args.malloc_mmap_threshold is not None:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)  # inherited by the ranks
-    out = args.out or REPO / "docs" / "bench" / f"step_time_{args.preset}.json"
+    out = args.out or default_out(f"step_time_{args.preset}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
 
     report: dict[str, Any] = {
         "benchmark": "step_time",
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine_info(cfg),
         "config": cfg,
@@ -813,18 +514,18 @@ def main(argv: list[str] | None = None) -> int:
             if name in errors:
                 continue
             t0 = time.perf_counter()
-            print(f"[{rep + 1}/{args.repeats}] {name}: {DESCRIPTIONS[name]} ...", flush=True)
+            print(f"[{rep + 1}/{args.repeats}] {name}: {CONTENDER_DESCRIPTIONS[name]} ...", flush=True)
             try:
-                per_rank = _spawn(run_contender, ws, name, cfg, backend=backend, timeout=args.timeout)
+                per_rank = spawn_ranks(run_contender, ws, name, cfg, backend=backend, timeout=args.timeout)
             except Exception as err:  # a rank failed: record it and go on with the others
                 errors[name] = f"{type(err).__name__}: {err}"
                 print(
-                    f"    FAILED after {time.perf_counter() - t0:.1f}s:\n{_indent(errors[name])}", flush=True
+                    f"    FAILED after {time.perf_counter() - t0:.1f}s:\n{indent(errors[name])}", flush=True
                 )
                 continue
             runs[name].append(per_rank)
             loads[name].append([round(x, 2) for x in os.getloadavg()])
-            med = _median(per_rank[0]["step_times_s"])
+            med = median(per_rank[0]["step_times_s"])
             print(
                 f"    done in {time.perf_counter() - t0:.1f}s (load avg {loads[name][-1][0]:.1f}): "
                 f"median step {med:.4f}s, "
@@ -834,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     for name in contenders:
         if name in errors:
-            res = {"status": "failed", "description": DESCRIPTIONS[name], "error": errors[name]}
+            res = {"status": "failed", "description": CONTENDER_DESCRIPTIONS[name], "error": errors[name]}
             if runs[name]:
                 res["completed_runs_before_failure"] = len(runs[name])
             report["results"][name] = res
@@ -845,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception:
                 report["results"][name] = {
                     "status": "failed",
-                    "description": DESCRIPTIONS[name],
+                    "description": CONTENDER_DESCRIPTIONS[name],
                     "error": traceback.format_exc(),
                 }
     report["ratios"] = compute_ratios(report["results"])
@@ -892,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_ratios(report["ratios"]))
     for n in notes:
         print("note:", n)
-    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    write_json(out, report, default=str)
     png = out.with_suffix(".png")
     title = (
         f"step_time {args.preset}: d{cfg['d_model']} L{cfg['n_layer']} V{cfg['vocab_size']} "
@@ -906,10 +607,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"\nwrote {out} and {png}")
     return 1 if contenders and len(errors) == len(contenders) else 0
-
-
-def _indent(text: str, prefix: str = "      ") -> str:
-    return "\n".join(prefix + line for line in text.strip().splitlines()[-12:])
 
 
 if __name__ == "__main__":
