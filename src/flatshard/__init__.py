@@ -15,30 +15,32 @@ from flatshard.engine import (
     BackwardPrefetch,
     CPUOffload,
     MixedPrecision,
+    ParamShard,
     ShardingStrategy,
+    ShardOptions,
+    clip_grad_norm_,
+    get_state_dict,
     is_sharded,
     no_sync,
+    set_state_dict,
     shard,
+    unshard_params,
 )
-from flatshard.engine.api import get_state_dict, set_state_dict
-from flatshard.engine.clip import clip_grad_norm_
-from flatshard.engine.sharded_state import ParamShard
-from flatshard.engine.unshard import unshard_params
 from flatshard.registration import install as _install_registration
+from flatshard.version import __version__
 
 if TYPE_CHECKING:
     from flatshard.lightning import FlatShardFabricStrategy, FlatShardStrategy
 
-__version__ = "0.1.0"
 
 _install_registration()
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("FlatShardStrategy", "FlatShardFabricStrategy"):
-        from flatshard import lightning
+    if name in ("FlatShardStrategy", "FlatShardFabricStrategy", "lightning"):
+        import flatshard.lightning
 
-        return getattr(lightning, name)
+        return flatshard.lightning if name == "lightning" else getattr(flatshard.lightning, name)
     raise AttributeError(f"module 'flatshard' has no attribute {name!r}")
 
 
@@ -50,6 +52,7 @@ __all__ = [
     "FlatShardStrategy",
     "MixedPrecision",
     "ParamShard",
+    "ShardOptions",
     "ShardingStrategy",
     "__version__",
     "clip_grad_norm_",

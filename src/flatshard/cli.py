@@ -29,7 +29,7 @@ def _human(n: float) -> str:
 
 
 def _inspect_sharded(path: str, show_all: bool) -> int:
-    from flatshard.checkpoint.sharded import ShardedReader
+    from flatshard.checkpoint import ShardedReader
 
     reader = ShardedReader(path)
     meta = reader.meta
@@ -71,7 +71,7 @@ def _inspect_sharded(path: str, show_all: bool) -> int:
 def _inspect(path: str, show_all: bool) -> int:
     from pathlib import Path
 
-    from flatshard.checkpoint.files import CheckpointError, load_checkpoint_file
+    from flatshard.checkpoint import CheckpointError, load_checkpoint_file
 
     try:
         if Path(path).is_dir():
@@ -111,8 +111,7 @@ def _inspect(path: str, show_all: bool) -> int:
 def _consolidate(src: str, out: str) -> int:
     import time
 
-    from flatshard.checkpoint import consolidate
-    from flatshard.checkpoint.files import CheckpointError
+    from flatshard.checkpoint import CheckpointError, consolidate
 
     start = time.perf_counter()
     try:

@@ -23,22 +23,9 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-__all__ = ["STRATEGY_NAMES", "install", "register", "register_names"]
+from flatshard.strategy_names import register_names
 
-# name -> (description, init arguments)
-STRATEGY_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
-    "flatshard": ("flatshard: fully sharded (FULL_SHARD)", {"sharding_strategy": "FULL_SHARD"}),
-    "flatshard_grad_op": (
-        "flatshard: gradients and optimizer state sharded (SHARD_GRAD_OP)",
-        {"sharding_strategy": "SHARD_GRAD_OP"},
-    ),
-    "flatshard_hybrid": (
-        "flatshard: sharded within a node, replicated across nodes (HYBRID_SHARD)",
-        {"sharding_strategy": "HYBRID_SHARD"},
-    ),
-    "flatshard_offload": ("flatshard: fully sharded with parameters offloaded to CPU", {"cpu_offload": True}),
-}
-
+__all__ = ["install", "register"]
 
 def _trainer_strategy(**kwargs: Any) -> Any:
     from flatshard.lightning.strategy import FlatShardStrategy
@@ -57,14 +44,6 @@ _REGISTRIES: dict[str, tuple[str, Callable[..., Any]]] = {
     "lightning.pytorch.strategies": ("StrategyRegistry", _trainer_strategy),
     "lightning.fabric.strategies": ("STRATEGY_REGISTRY", _fabric_strategy),
 }
-
-
-def register_names(registry: Any, strategy: Callable[..., Any]) -> None:
-    """Add every flatshard name to ``registry`` with ``strategy`` (a class or factory); existing names stay."""
-    for name, (description, init_params) in STRATEGY_NAMES.items():
-        if name in registry:
-            continue
-        registry.register(name, strategy, description=description, **init_params)
 
 
 def _register_module(module: ModuleType) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flatshard.engine import shm
+from flatshard.engine.transport import shm
 
 
 def fail_segments(creating: bool) -> None:

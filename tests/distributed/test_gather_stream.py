@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flatshard.engine import gather
 from flatshard.engine.flat_param import FlatLayout
+from flatshard.engine.state import stream_gather as gather
 from flatshard.testing import spawn
 
 from ._sabotage import fail_segments

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 import flatshard
-from flatshard.engine import comm, unit_states
+from flatshard.engine import unit_states
 from flatshard.engine.process_groups import hybrid_groups
+from flatshard.engine.transport import comm
 from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT, make_batch
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 import flatshard
-from flatshard.engine import memory
 from flatshard.engine.shard import unit_states
+from flatshard.engine.transport import memory
 from flatshard.testing import spawn
 
 STEPS = 3

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import flatshard
-from flatshard.engine import comm
+from flatshard.engine.transport import comm
 from flatshard.lightning.precision import FlatShardGradScaler
 from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT, make_batch
@@ -202,7 +202,7 @@ def _batch_norm(rank: int, world: int, tmp: str) -> float:
     assert set(model.seen) == {torch.float32}
     full = flatshard.get_state_dict(model, rank0_only=False)[0]
     assert full["scale"].dtype == torch.float32 and torch.equal(full["scale"], torch.full((3,), 0.5))
-    sharded = flatshard.engine.sharded_state.sharded_model_state_dict(model)
+    sharded = flatshard.engine.state.sharded.sharded_model_state_dict(model)
     assert sharded["scale"].dtype == torch.float32
     # Both checkpoint kinds hold fp32 and load back into a bf16-buffer model (buffers cast on load).
     for kind in ("full", "sharded"):

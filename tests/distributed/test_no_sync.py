@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 
 import flatshard
-from flatshard.engine import comm, memory, unit_states
+from flatshard.engine import unit_states
+from flatshard.engine.transport import comm, memory
 from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT, make_batch
 

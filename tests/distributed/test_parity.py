@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import flatshard
-from flatshard.engine import memory
+from flatshard.engine.transport import memory
 from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT, make_batch
 

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 import flatshard
-from flatshard.engine import comm, shm
 from flatshard.engine.shard import unit_states
+from flatshard.engine.transport import comm, shm
 from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT, make_batch
 

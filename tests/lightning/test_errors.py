@@ -62,7 +62,7 @@ def test_hybrid_name_builds_a_hybrid_strategy() -> None:
 
 @pytest.mark.timeout(300)
 def test_offload_name_builds_an_offloading_strategy() -> None:
-    assert _trainer(strategy="flatshard_offload").strategy.options.cpu_offload is True
+    assert _trainer(strategy="flatshard_offload").strategy.options.shard.cpu_offload is True
 
 
 @pytest.mark.timeout(300)
@@ -71,6 +71,19 @@ def test_unknown_sharding_strategy_lists_the_choices() -> None:
         flatshard.FlatShardStrategy(sharding_strategy="FOO")
     for choice in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
         assert choice in str(err.value)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cls", ["FlatShardStrategy", "FlatShardFabricStrategy"])
+def test_every_bad_argument_is_listed_in_one_error(cls: str) -> None:
+    with pytest.raises(ValueError) as info:
+        getattr(flatshard, cls)(
+            sharding_strategy="ZERO_4", forward_prefetch="yes", state_dict_type="zip", start_method="fork"
+        )
+    message = str(info.value)
+    assert "4 options are wrong" in message, message
+    for fragment in ("ZERO_4", "forward_prefetch", "state_dict_type='zip'", "start_method='fork'"):
+        assert fragment in message, fragment
 
 
 @pytest.mark.timeout(300)
@@ -135,13 +148,13 @@ def test_bad_activation_checkpointing_policy_is_refused(policy: Any, error: Any,
 @pytest.mark.timeout(300)
 def test_activation_checkpointing_policy_forms_reach_the_engine() -> None:
     for policy in ({Block}, ["flatshard.testing.models.Block"], Block, lambda m: isinstance(m, Block)):
-        check = flatshard.FlatShardStrategy(activation_checkpointing_policy=policy).options.shard_kwargs(
+        check = flatshard.FlatShardStrategy(activation_checkpointing_policy=policy).options.shard_options(
             torch.device("cpu")
-        )["activation_checkpointing_policy"]
+        ).activation_checkpointing_policy
         assert check(Block()) and not check(torch.nn.Linear(2, 2)), policy
-    by_size = flatshard.FlatShardStrategy(activation_checkpointing_policy=500).options.shard_kwargs(
+    by_size = flatshard.FlatShardStrategy(activation_checkpointing_policy=500).options.shard_options(
         torch.device("cpu")
-    )["activation_checkpointing_policy"]
+    ).activation_checkpointing_policy
     assert by_size(torch.nn.Linear(30, 30)) and not by_size(torch.nn.Linear(3, 3))
     pickle.dumps(flatshard.FlatShardStrategy(activation_checkpointing_policy={Block}).options)
 
@@ -149,10 +162,10 @@ def test_activation_checkpointing_policy_forms_reach_the_engine() -> None:
 @pytest.mark.timeout(300)
 def test_prefetch_options_are_validated_and_passed_to_the_engine() -> None:
     strategy = flatshard.FlatShardStrategy(backward_prefetch="backward_post", forward_prefetch=True)
-    kwargs = strategy.options.shard_kwargs(torch.device("cpu"))
-    assert kwargs["backward_prefetch"] is flatshard.BackwardPrefetch.BACKWARD_POST
-    assert kwargs["forward_prefetch"] is True
-    assert flatshard.FlatShardStrategy().options.backward_prefetch is flatshard.BackwardPrefetch.BACKWARD_PRE
+    options = strategy.options.shard_options(torch.device("cpu"))
+    assert options.backward_prefetch is flatshard.BackwardPrefetch.BACKWARD_POST
+    assert options.forward_prefetch is True
+    assert flatshard.FlatShardStrategy().options.shard.backward_prefetch is flatshard.BackwardPrefetch.BACKWARD_PRE
     with pytest.raises(ValueError, match="BACKWARD_PRE"):
         flatshard.FlatShardStrategy(backward_prefetch="SIDEWAYS")
     with pytest.raises(TypeError, match="forward_prefetch"):

@@ -29,7 +29,7 @@ def test_names_build_hybrid_and_offloading_strategies() -> None:
     hybrid = make_trainer(1, "flatshard_hybrid").strategy
     offload = make_trainer(1, "flatshard_offload").strategy
     assert hybrid.sharding_strategy is ShardingStrategy.HYBRID_SHARD
-    assert offload.options.cpu_offload is True
+    assert offload.options.shard.cpu_offload is True
 
 
 @pytest.mark.timeout(300)

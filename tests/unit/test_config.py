@@ -69,3 +69,59 @@ def test_torch_mixed_precision_keeps_casting_the_inputs() -> None:
         normalize_mixed_precision(
             TorchMixedPrecision(param_dtype=torch.bfloat16, _module_classes_to_ignore=(torch.nn.LayerNorm,))
         )
+
+
+def test_shard_options_normalise_every_field_once() -> None:
+    from flatshard import ShardOptions
+    from flatshard.testing.models import Block
+
+    options = ShardOptions(
+        sharding_strategy="shard_grad_op",
+        auto_wrap_policy=["flatshard.testing.models.Block"],
+        mixed_precision={"param_dtype": "bf16"},
+        cpu_offload=_cpu_offload(),
+        backward_prefetch="backward_post",
+        device="cpu",
+    )
+    assert options.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP
+    assert options.auto_wrap_policy is not None and options.auto_wrap_policy(Block(), False, 0)
+    assert options.mixed_precision == MixedPrecision(param_dtype=torch.bfloat16)
+    assert options.cpu_offload is True
+    assert options.backward_prefetch is BackwardPrefetch.BACKWARD_POST
+    assert options.device == torch.device("cpu")
+    assert ShardOptions() == ShardOptions(sharding_strategy="FULL_SHARD", cpu_offload=None)
+
+
+def _cpu_offload() -> object:
+    from flatshard import CPUOffload
+
+    return CPUOffload(offload_params=True)
+
+
+def test_shard_options_list_every_bad_field_in_one_error() -> None:
+    from flatshard import ShardOptions
+
+    with pytest.raises(ValueError) as info:
+        ShardOptions(sharding_strategy="ZERO_4", forward_prefetch="yes", shard_group_size=0, device="gpu:x")
+    message = str(info.value)
+    assert "4 options are wrong" in message
+    for fragment in ("sharding_strategy='ZERO_4'", "forward_prefetch must be a bool", "shard_group_size", "device="):
+        assert fragment in message, fragment
+    with pytest.raises(TypeError, match="limit_all_gathers must be a bool"):  # one problem keeps its type
+        ShardOptions(limit_all_gathers=1)
+
+
+def test_shard_takes_options_and_keywords_replace_them() -> None:
+    from flatshard import ShardOptions, shard
+    from flatshard.engine import unit_states
+    from flatshard.testing.models import Block, TinyGPT
+
+    options = ShardOptions(auto_wrap_policy={Block}, forward_prefetch=True)
+    model = shard(TinyGPT(), options, forward_prefetch=False)
+    states = unit_states(model)
+    assert len(states) == 1 + len(model.blocks)
+    assert all(s.options.forward_prefetch is False and s.options.device == torch.device("cpu") for s in states)
+    with pytest.raises(TypeError, match="unknown options \\['auto_wrap'\\].*auto_wrap_policy"):
+        shard(TinyGPT(), auto_wrap={Block})
+    with pytest.raises(TypeError, match="ShardOptions"):
+        shard(TinyGPT(), {"sharding_strategy": "FULL_SHARD"})  # type: ignore[arg-type]

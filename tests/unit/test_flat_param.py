@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flatshard.engine.flat_param import FlatLayout, FlatPieces, flatten_tensors, split_flat
+from flatshard.engine.flat_param import FlatLayout, flatten_tensors, split_flat
+from flatshard.engine.transport.pieces import FlatPieces
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])

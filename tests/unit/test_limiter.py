@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flatshard.engine.limiter import AllGatherLimiter
+from flatshard.engine.transport.limiter import AllGatherLimiter
 
 
 class FakeEvent:

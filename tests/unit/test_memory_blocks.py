@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from flatshard.engine import memory
+from flatshard.engine.transport import memory
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mappings are used on Linux")
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flatshard.engine import shm
-from flatshard.engine.flat_param import FlatPieces
+from flatshard.engine.transport import shm
+from flatshard.engine.transport.pieces import FlatPieces
 
 pytestmark = pytest.mark.skipif(shm._futex() is None, reason="the transport needs Linux x86-64")
 

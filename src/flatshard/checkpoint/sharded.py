@@ -56,7 +56,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from flatshard.checkpoint.files import CheckpointError, fsync_dir
-from flatshard.engine.sharded_state import ParamShard
+from flatshard.engine import ParamShard, global_rank
+from flatshard.version import __version__
 
 __all__ = [
     "FORMAT",
@@ -76,10 +77,6 @@ def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a directory holding a DCP checkpoint (``.metadata``)."""
     p = Path(path)
     return p.is_dir() and (p / ".metadata").is_file()
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _world() -> int:
@@ -209,7 +206,7 @@ class _LoadPlanner(DefaultLoadPlanner):
 # ---------------------------------------------------------------------------------------------- writing
 def _flatten_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """DCP entries and the meta record for a checkpoint dict holding sharded model/optimizer state."""
-    rank0 = _rank() == 0
+    rank0 = global_rank() == 0
     entries: dict[str, Any] = {}
     shapes: dict[str, list[int]] = {}
     aliases: dict[str, str] = {}
@@ -261,19 +258,13 @@ def _flatten_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], 
         "version": FORMAT_VERSION,
         "world_size": _world(),
         "torch_version": torch.__version__,
-        "flatshard_version": _flatshard_version(),
+        "flatshard_version": __version__,
         "model_keys": model_keys,
         "aliases": aliases,
         "shapes": shapes,
         "num_optimizers": None if optimizers is None else len(optimizers),
     }
     return entries, meta
-
-
-def _flatshard_version() -> str:
-    from flatshard import __version__
-
-    return __version__
 
 
 def write_sharded_checkpoint(checkpoint: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
@@ -286,7 +277,7 @@ def write_sharded_checkpoint(checkpoint: Mapping[str, Any], path: str | os.PathL
     tmp = target.parent / f".{target.name}.flatshard-tmp"
     old = target.parent / f".{target.name}.flatshard-old"
     entries, meta = _flatten_checkpoint(checkpoint)
-    if _rank() == 0:
+    if global_rank() == 0:
         entries[META_KEY] = meta
         target.parent.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
@@ -299,7 +290,7 @@ def write_sharded_checkpoint(checkpoint: Mapping[str, Any], path: str | os.PathL
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
         dcp.save(entries, storage_writer=writer, planner=_SavePlanner(entries))
     _barrier()
-    if _rank() == 0:
+    if global_rank() == 0:
         fsync_dir(tmp)
         if target.exists() or target.is_symlink():
             if old.exists():
@@ -345,7 +336,7 @@ class ShardedReader:
         if not isinstance(version, int) or version > FORMAT_VERSION:
             raise CheckpointError(
                 f"Sharded checkpoint {self.path} has format version {version!r}, written by flatshard "
-                f"{self.meta.get('flatshard_version')}; this flatshard ({_flatshard_version()}) reads versions up "
+                f"{self.meta.get('flatshard_version')}; this flatshard ({__version__}) reads versions up "
                 f"to {FORMAT_VERSION}. HINT: upgrade flatshard to load it. Nothing was loaded."
             )
 

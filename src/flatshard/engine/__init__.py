@@ -1,15 +1,94 @@
-"""The sharding engine: no Lightning import here; usable from plain PyTorch."""
+"""The sharding engine: no Lightning import here; usable from plain PyTorch.
 
-from flatshard.engine.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+This module is the engine's contract: every name the rest of the package (``checkpoint/``, ``lightning/``,
+``cli.py``, ``testing/``) uses is exported here and imported from ``flatshard.engine``, never from a
+submodule. Layout (see ``docs/concepts.md`` for a map by question):
+
+- the runtime core: ``config`` (options), ``shard`` (the entry point), ``wrap`` (unit planning),
+  ``materialize``, ``process_groups``, ``precision``, ``activation_checkpointing``, ``flat_param`` (index
+  math), ``handle`` (one unit's flat parameter), ``runtime`` (hooks), ``exec_order``, ``clip``;
+- ``transport/``: collectives, the shared-memory transport, memory blocks, streams, the limiter;
+- ``state/``: full and sharded model / optimizer state, the streamed gather, ``unshard_params``.
+"""
+
+from flatshard.engine.activation_checkpointing import CheckFn
+from flatshard.engine.clip import clip_grad_norm_, clip_grad_norm_params_
+from flatshard.engine.config import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    OptionErrors,
+    ShardingStrategy,
+    ShardOptions,
+)
+from flatshard.engine.runtime import ForwardCall, begin_backward_in_forward, forward_call, regather_in_forward
 from flatshard.engine.shard import is_sharded, no_sync, shard, unit_states
+from flatshard.engine.state.full_model import (
+    check_full_model_state_dict,
+    full_model_state_dict,
+    load_full_model_state_dict,
+    parameter_names,
+    prepare_for_state_io,
+)
+from flatshard.engine.state.full_optim import (
+    convert_full_optim_state_dict,
+    full_optim_state_dict,
+    load_full_optim_state_dict,
+)
+from flatshard.engine.state.optim_binding import original_shapes, rebind_optimizer
+from flatshard.engine.state.sharded import (
+    ParamShard,
+    local_param_targets,
+    param_shard,
+    sharded_model_state_dict,
+    sharded_optim_state_dict,
+    to_local_model_state,
+    to_local_optim_state,
+)
+from flatshard.engine.state.state_dict import get_state_dict, optimizer_list, set_state_dict
+from flatshard.engine.state.unshard_params import unshard_params
+from flatshard.engine.transport.comm import global_rank
+from flatshard.engine.wrap import Policy
 
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
+    "CheckFn",
+    "ForwardCall",
     "MixedPrecision",
+    "OptionErrors",
+    "ParamShard",
+    "Policy",
+    "ShardOptions",
     "ShardingStrategy",
+    "begin_backward_in_forward",
+    "check_full_model_state_dict",
+    "clip_grad_norm_",
+    "clip_grad_norm_params_",
+    "convert_full_optim_state_dict",
+    "forward_call",
+    "full_model_state_dict",
+    "full_optim_state_dict",
+    "get_state_dict",
+    "global_rank",
     "is_sharded",
+    "load_full_model_state_dict",
+    "load_full_optim_state_dict",
+    "local_param_targets",
     "no_sync",
+    "optimizer_list",
+    "original_shapes",
+    "param_shard",
+    "parameter_names",
+    "prepare_for_state_io",
+    "rebind_optimizer",
+    "regather_in_forward",
+    "set_state_dict",
     "shard",
+    "sharded_model_state_dict",
+    "sharded_optim_state_dict",
+    "to_local_model_state",
+    "to_local_optim_state",
     "unit_states",
+    "unshard_params",
 ]

@@ -1,22 +1,32 @@
-"""Configuration enums and frozen dataclasses for the sharding engine.
+"""Configuration: enums, the precision / offload records, and :class:`ShardOptions`, every option of
+``shard()`` in one frozen dataclass.
 
-Every user-facing option is normalised here once (strings to enums, bad values to a ``ValueError`` that
-lists the accepted values), so the rest of the engine only ever sees typed values.
+Every user-facing option is normalised here once (strings to enums, import paths to classes, bad values to
+one error that lists every bad field with the accepted values), so the rest of the engine only ever sees
+typed values. The Trainer and Fabric strategies embed the same record (``flatshard.lightning.options``):
+adding an option means a field here, a parameter in the two strategy signatures, and the docs.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 import torch
+import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from flatshard.engine.activation_checkpointing import CheckFn, resolve_checkpointing_policy
+from flatshard.engine.wrap import Policy, resolve_policy
 
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
     "MixedPrecision",
+    "OptionErrors",
+    "ShardOptions",
     "ShardingStrategy",
     "normalize_backward_prefetch",
     "normalize_cpu_offload",
@@ -243,3 +253,159 @@ def normalize_cpu_offload(value: object) -> bool:
     raise TypeError(
         f"cpu_offload must be a bool or flatshard.CPUOffload(offload_params=...), got {type(value).__name__}: {value!r}."
     )
+
+
+T = TypeVar("T")
+
+
+class OptionErrors:
+    """Collects what is wrong with a set of options, so one error lists every bad field.
+
+    One problem is raised as it is (its type and message); several become one ``TypeError`` when all are
+    type errors, else one ``ValueError``, listing each.
+    """
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.problems: list[Exception] = []
+
+    def check(self, normalize: Callable[..., T], *args: Any) -> T | None:
+        """``normalize(*args)``, or ``None`` with its error recorded."""
+        try:
+            return normalize(*args)
+        except (TypeError, ValueError, ImportError) as err:
+            self.extend(err)
+            return None
+
+    def extend(self, other: BaseException) -> None:
+        """Take in ``other``: one problem, or each problem an error listing several (:meth:`raise_if_any`)."""
+        inner = getattr(other, "problems", None)
+        self.problems.extend(inner if isinstance(inner, list) else [other])  # type: ignore[list-item]
+
+    def raise_if_any(self) -> None:
+        if not self.problems:
+            return
+        if len(self.problems) == 1:
+            raise self.problems[0]
+        kind = TypeError if all(isinstance(p, TypeError) for p in self.problems) else ValueError
+        listed = "\n".join(f"  - {p}" for p in self.problems)
+        error = kind(f"{self.what}: {len(self.problems)} options are wrong:\n{listed}")
+        error.problems = list(self.problems)  # type: ignore[union-attr]
+        raise error
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}: {value!r}.")
+    return value
+
+
+def _check_param_init_fn(value: object) -> Callable[[nn.Module], None] | None:
+    if value is not None and not callable(value):
+        raise TypeError(f"param_init_fn must be a callable taking a module, got {type(value).__name__}.")
+    return value  # type: ignore[return-value]
+
+
+def _check_shard_group_size(value: object) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise TypeError(f"shard_group_size must be a positive int, got {value!r}.")
+    return value  # type: ignore[return-value]
+
+
+def _check_device(value: object) -> torch.device | None:
+    if value is None or isinstance(value, torch.device):
+        return value
+    try:
+        return torch.device(value)  # type: ignore[call-overload,no-any-return]
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(
+            f"device={value!r} is not a device ({err}). HINT: pass e.g. 'cpu', 'cuda', 'cuda:1' or torch.device."
+        ) from None
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    """Every option of :func:`flatshard.shard`, normalised and validated once, in one record.
+
+    Construct it with the user's values (strings for enums and dtypes, import paths for module classes are
+    fine); afterwards each field holds its normalised type. A bad value raises at construction, and with
+    several bad values one error lists them all. ``dataclasses.replace`` re-validates.
+
+    Args:
+        sharding_strategy: ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"``, ``"NO_SHARD"``, ``"HYBRID_SHARD"``
+            (FULL_SHARD inside shard groups, replicated across them) or ``"HYBRID_SHARD_ZERO2"``
+            (SHARD_GRAD_OP inside); see [Note: hybrid groups].
+        auto_wrap_policy: which submodules become units of their own: ``None`` (default, only the root),
+            a set of module classes (or import paths), an int (minimum parameters per unit), or a callable
+            ``(module, recurse, nonwrapped_numel) -> bool`` (torch FSDP's policy contract).
+        activation_checkpointing_policy: which submodules recompute their activations in backward instead
+            of keeping them (see [Note: activation checkpointing]): module classes or their import paths,
+            an int (modules with at least that many parameters), a callable ``module -> bool`` or a torch-
+            FSDP-style policy callable. The outermost matching modules are checkpointed (non-reentrant);
+            parameter names and checkpoints do not change. Default: ``None``.
+        mixed_precision: a :class:`MixedPrecision` (or a mapping of its fields, dtypes as strings like
+            ``"bf16"``): gather and compute in ``param_dtype``, reduce gradients in ``reduce_dtype``, keep
+            fp32 shards for the optimizer and checkpoints (see [Note: mixed precision]). Batch-norm
+            modules become units of their own in full precision. Default: ``None``.
+        cpu_offload: ``True`` or ``CPUOffload(offload_params=True)``: shards and gradient shards in CPU
+            memory (pinned with CUDA compute), so the optimizer steps on CPU; each unit is copied to the
+            compute device for its gather (see [Note: CPU offload]). Normalised to a bool. Default: ``False``.
+        limit_all_gathers: rate-limit all-gathers so at most two unsharded buffers are pending
+            (see ``flatshard.engine.transport.limiter``; CUDA only, CPU work is synchronous). Default: ``True``.
+        backward_prefetch: when to issue the next unit's all-gather in backward: ``"BACKWARD_PRE"``
+            (default: before the current unit's gradient computation, more overlap), ``"BACKWARD_POST"``
+            (after it, less memory) or ``None``.
+        forward_prefetch: issue the next unit's all-gather before the current unit's forward compute.
+            Default: ``False``.
+        sync_module_states: broadcast rank 0's parameters and buffers before sharding. Default: ``False``.
+        param_init_fn: for a module built on the meta device: called with each module that holds meta
+            parameters, after their storage is allocated on ``device``; it must initialize them in place.
+            Default: ``None`` (the module's own ``reset_parameters()``). Modules are materialized one unit
+            at a time, right before the unit is sharded (see [Note: materializing unit by unit]), so the
+            whole model never exists unsharded.
+        process_group: the ranks to shard over. Default: all ranks (``None``: the default group). For hybrid
+            strategies: a ``(shard_group, replicate_group)`` tuple or a 2-D ``DeviceMesh`` (replicate, shard).
+        shard_group_size: hybrid strategies: ranks per shard group (consecutive ranks; must divide the world
+            size). Default: ``LOCAL_WORLD_SIZE`` (shard within a node).
+        device: where shards and compute live. Default: the current CUDA device with NCCL, else CPU.
+    """
+
+    sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+    auto_wrap_policy: Policy | None = None
+    activation_checkpointing_policy: CheckFn | None = None
+    mixed_precision: MixedPrecision | None = None
+    cpu_offload: bool = False
+    limit_all_gathers: bool = True
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
+    forward_prefetch: bool = False
+    sync_module_states: bool = False
+    param_init_fn: Callable[[nn.Module], None] | None = None
+    process_group: Any = None
+    shard_group_size: int | None = None
+    device: torch.device | None = None
+
+    def __post_init__(self) -> None:
+        errors = OptionErrors("ShardOptions")
+        normalized = {
+            "sharding_strategy": errors.check(normalize_sharding_strategy, self.sharding_strategy),
+            "auto_wrap_policy": errors.check(resolve_policy, self.auto_wrap_policy),
+            "activation_checkpointing_policy": errors.check(
+                resolve_checkpointing_policy, self.activation_checkpointing_policy
+            ),
+            "mixed_precision": errors.check(normalize_mixed_precision, self.mixed_precision),
+            "cpu_offload": errors.check(normalize_cpu_offload, self.cpu_offload),
+            "limit_all_gathers": errors.check(_check_bool, "limit_all_gathers", self.limit_all_gathers),
+            "backward_prefetch": errors.check(normalize_backward_prefetch, self.backward_prefetch),
+            "forward_prefetch": errors.check(_check_bool, "forward_prefetch", self.forward_prefetch),
+            "sync_module_states": errors.check(_check_bool, "sync_module_states", self.sync_module_states),
+            "param_init_fn": errors.check(_check_param_init_fn, self.param_init_fn),
+            "shard_group_size": errors.check(_check_shard_group_size, self.shard_group_size),
+            "device": errors.check(_check_device, self.device),
+        }
+        errors.raise_if_any()
+        for name, value in normalized.items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))

@@ -19,7 +19,7 @@ views' gradients are complete; its backward keeps those per-parameter tensors on
 the anchor a zero. The anchor's post-accumulate hook then fires exactly once per backward, after every
 node of the unit (also when the unit ran more than once in forward), and is the unit's post-backward.
 There the gradient is reduced: packed into one flat buffer for the collectives that need one, or, on
-the shared-memory transport, read piece by piece (:class:`~flatshard.engine.flat_param.FlatPieces`), so
+the shared-memory transport, read piece by piece (:class:`~flatshard.engine.transport.pieces.FlatPieces`), so
 the unsharded gradient exists once, not twice (autograd's tensors plus a packed copy), and is freed as
 soon as the transport has read it.
 
@@ -42,14 +42,15 @@ import torch.nn as nn
 from torch.autograd.function import once_differentiable
 from torch.utils.weak import WeakIdKeyDictionary
 
-from flatshard.engine import comm, memory
-from flatshard.engine.flat_param import FlatLayout, FlatPieces, ShardInfo, flatten_tensors, split_flat
-from flatshard.engine.limiter import AllGatherLimiter
+from flatshard.engine.flat_param import FlatLayout, ShardInfo, flatten_tensors, split_flat
 from flatshard.engine.precision import UnitPrecision, reduce_divisors
-from flatshard.engine.streams import CommContext
+from flatshard.engine.transport import comm, memory
+from flatshard.engine.transport.limiter import AllGatherLimiter
+from flatshard.engine.transport.pieces import FlatPieces
+from flatshard.engine.transport.streams import CommContext
 from flatshard.engine.wrap import Alias
 
-__all__ = ["FlatParamHandle", "HandleState", "handle_of_param"]
+__all__ = ["FlatParamHandle", "HandleState", "handle_of_param", "locate_params"]
 
 _PARAM_TO_HANDLE = WeakIdKeyDictionary()  # Parameter -> FlatParamHandle, keyed by identity
 
@@ -57,6 +58,15 @@ _PARAM_TO_HANDLE = WeakIdKeyDictionary()  # Parameter -> FlatParamHandle, keyed 
 def handle_of_param(param: torch.Tensor) -> FlatParamHandle | None:
     """The handle managing ``param``, or ``None`` for a parameter flatshard does not manage."""
     return _PARAM_TO_HANDLE.get(param)  # type: ignore[no-any-return]
+
+
+def locate_params(params: list[torch.Tensor]) -> list[tuple[FlatParamHandle | None, int]]:
+    """Each parameter's handle (``None`` when it is no unit's) and its index in that handle."""
+    out: list[tuple[FlatParamHandle | None, int]] = []
+    for p in params:
+        handle = handle_of_param(p)
+        out.append((handle, -1 if handle is None else handle.index_of(p)))
+    return out
 
 
 class _InFlight(NamedTuple):

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from flatshard.engine import memory
+from flatshard.engine.transport import memory
 from flatshard.engine.wrap import UnitPlan
 
 __all__ = ["ParamInitFn", "has_meta_tensors", "materialize_modules", "materialize_unit"]

@@ -20,14 +20,23 @@
 Lightning runs ``training_step`` as the root's forward, and manual optimization calls ``backward`` (and
 ``optimizer.step``) inside it, possibly more than once, with more forwards in between (two optimizers, a
 GAN). The root's outputs carry no backward hook yet, so the strategy starts the root's backward at the loss
-(``begin_backward_in_forward``); that queues the end-of-backward callback as usual. A unit still inside its
+(:func:`begin_backward_in_forward`); that queues the end-of-backward callback as usual. A unit still inside its
 forward is not resharded by its backward: at the end of backward it stays gathered and gets fresh autograd
 views (``resume_forward``), so the rest of the forward uses it, and reshards when its forward returns. An
 optimizer step in between changes the shards under it: the strategy then gathers it again
-(``refresh_in_forward``), so a second forward in the same step sees the updated weights, as under DDP.
+(:func:`regather_in_forward`), so a second forward in the same step sees the updated weights, as under DDP.
 Such a step may also toggle ``requires_grad`` (``toggle_optimizer``) after the root's views were made, so
-during it the root tracks every parameter (``track_frozen``) and gradients go only to the parameters that
-require grad when the backward ends: a frozen parameter held by the root costs a gradient computation there.
+during it the root tracks every parameter (``ForwardCall.track_frozen``) and gradients go only to the
+parameters that require grad when the backward ends: a frozen parameter held by the root costs a gradient
+computation there.
+
+[Note: calls routed through a root's forward]
+A caller may run something other than a module forward through a root's hooks (Lightning runs
+``training_step`` as the root's forward, so the root gathers around the step). How such a call behaves is
+one :class:`ForwardCall` record set for its duration with :func:`forward_call`: whether its arguments are
+cast like a unit's forward inputs (a step's batch keeps its dtypes under autocast) and whether the root
+tracks every parameter. The engine knows nothing else of the caller; the Lightning side keeps its step
+modes in one object (``flatshard.lightning.step_modes``).
 """
 
 from __future__ import annotations
@@ -35,6 +44,9 @@ from __future__ import annotations
 import enum
 import logging
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,14 +55,23 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
-from flatshard.engine.config import BackwardPrefetch, ShardingStrategy
+from flatshard.engine.config import BackwardPrefetch, ShardOptions
 from flatshard.engine.exec_order import ExecOrder
 from flatshard.engine.handle import FlatParamHandle
-from flatshard.engine.limiter import AllGatherLimiter
 from flatshard.engine.precision import cast_floating
-from flatshard.engine.streams import CommContext
+from flatshard.engine.transport.limiter import AllGatherLimiter
+from flatshard.engine.transport.streams import CommContext
 
-__all__ = ["RootContext", "TrainingState", "UnitState", "get_unit_state"]
+__all__ = [
+    "ForwardCall",
+    "RootContext",
+    "TrainingState",
+    "UnitState",
+    "begin_backward_in_forward",
+    "forward_call",
+    "get_unit_state",
+    "regather_in_forward",
+]
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +98,7 @@ class RootContext:
         self.handles = [s.handle for s in states if s.handle is not None]
         device = next((h.device for h in self.handles), torch.device("cpu"))
         self.streams = CommContext(device)
-        self.limiter = AllGatherLimiter(enabled=bool(root.config.get("limit_all_gathers", True)))
+        self.limiter = AllGatherLimiter(enabled=root.options.limit_all_gathers)
         self.order: ExecOrder[UnitState] = ExecOrder()
         self.pending: deque[tuple[FlatParamHandle, Any]] = deque()
         self.callback_queued = False
@@ -159,31 +180,39 @@ def _used_anywhere(handles: list[FlatParamHandle]) -> list[list[bool]]:
     return flags
 
 
+@dataclass(frozen=True)
+class ForwardCall:
+    """How a call routed through a unit's forward hooks runs; see [Note: calls routed through a root's forward].
+
+    Args:
+        cast_inputs: under mixed precision, cast the call's floating-point arguments to the compute dtype,
+            as for any unit's forward. ``False`` for a call whose arguments are data (a training step's batch,
+            targets and masks under autocast): they keep their dtypes. Default: ``True``.
+        track_frozen: the call may toggle ``requires_grad`` after the unit's views were made (manual
+            optimization's ``toggle_optimizer``): give every parameter an autograd view, so gradients reach
+            whichever require grad when the backward ends (see [Note: backward inside a forward]).
+            Default: ``False``.
+    """
+
+    cast_inputs: bool = True
+    track_frozen: bool = False
+
+
+_PLAIN_FORWARD = ForwardCall()
+
+
 class UnitState:
     """State of one unit (a module passed to or chosen by ``shard()``), stored on the module."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        handle: FlatParamHandle | None,
-        strategy: ShardingStrategy,
-        config: dict[str, Any],
-    ) -> None:
+    def __init__(self, module: nn.Module, handle: FlatParamHandle | None, options: ShardOptions) -> None:
         self.module = module
         self.handle = handle
-        self.strategy = strategy
-        self.config = config  # the normalised shard() arguments, for nested units and the strategy
-        self.backward_prefetch: BackwardPrefetch | None = config.get("backward_prefetch")
-        self.forward_prefetch: bool = bool(config.get("forward_prefetch", False))
+        self.options = options  # the normalised shard() options, for nested units and the strategies
+        self.strategy = options.sharding_strategy
         self.training_state = TrainingState.IDLE
         self.forward_depth = 0
         self.summoned = False  # inside flatshard.unshard_params: parameters are full, forward is refused
-        # False while a call that is not a module forward runs through this unit's hooks (a Lightning step
-        # under autocast): its arguments are the batch, targets and masks included, and keep their dtypes.
-        self.cast_inputs = True
-        # True while a Lightning step doing manual optimization runs as this root's forward: it may toggle
-        # requires_grad after the root's views were made (see [Note: backward inside a forward]).
-        self.track_frozen = False
+        self.call = _PLAIN_FORWARD  # how the current call through this unit's hooks runs (forward_call)
         self.recompute_inside = False  # a checkpointed module's parameters belong to this unit
         self._recomputing = False  # this forward is a recomputation inside backward
         self.ctx: RootContext | None = None
@@ -249,14 +278,14 @@ class UnitState:
             self.training_state = TrainingState.FORWARD
         if self.handle is not None:
             if not in_backward:
-                self.handle.refresh_requires_grad(self.track_frozen)
+                self.handle.refresh_requires_grad(self.call.track_frozen)
             ctx.unshard(self)
-            if self.forward_prefetch and not in_backward:
+            if self.options.forward_prefetch and not in_backward:
                 ctx.unshard(ctx.order.next_forward(self))  # overlaps this unit's compute
             self.handle.wait_unshard(ctx.streams)
             self.handle.use_unsharded_views()
             precision = self.handle.precision
-            cast = precision.mixed and precision.cast_forward_inputs and self.cast_inputs
+            cast = precision.mixed and precision.cast_forward_inputs and self.call.cast_inputs
             if cast:  # see [Note: mixed precision]
                 args, kwargs = (
                     cast_floating(args, precision.compute),
@@ -296,7 +325,7 @@ class UnitState:
         self.training_state = TrainingState.FORWARD
         if self.handle is not None and self.ctx is not None:
             self.handle.wait_unshard(self.ctx.streams)
-            self.handle.refresh_requires_grad(self.track_frozen)
+            self.handle.refresh_requires_grad(self.call.track_frozen)
             with torch.enable_grad():
                 self.handle.use_unsharded_views()
 
@@ -311,7 +340,7 @@ class UnitState:
             if handle is None or state.forward_depth == 0:
                 continue
             handle.reshard(ctx.streams, ctx.limiter)
-            handle.refresh_requires_grad(state.track_frozen)
+            handle.refresh_requires_grad(state.call.track_frozen)
             ctx.unshard(state)
             handle.wait_unshard(ctx.streams)
             handle.use_unsharded_views()
@@ -334,7 +363,7 @@ class UnitState:
         self.training_state = TrainingState.BACKWARD
         if self.handle is not None:
             ctx.unshard(self)
-        if first_time and self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+        if first_time and self.options.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             ctx.prefetch_backward(ctx.order.next_backward(self))  # overlaps this unit's backward compute
         if self.handle is not None:
             self.handle.wait_unshard(ctx.streams)
@@ -366,7 +395,7 @@ class UnitState:
         ctx.pending.append((handle, handle.reduce_grad(grad, ctx.streams)))
         if handle.all_require_grad and self.forward_depth == 0:
             handle.reshard(ctx.streams, ctx.limiter)
-        if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+        if self.options.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             ctx.prefetch_backward(ctx.order.next_backward(self))
 
 
@@ -375,9 +404,39 @@ def get_unit_state(module: nn.Module) -> UnitState | None:
     return state if isinstance(state, UnitState) else None
 
 
-def _rank_prefix() -> str:
-    import torch.distributed as dist
+@contextmanager
+def forward_call(module: nn.Module, call: ForwardCall) -> Iterator[None]:
+    """Calls through ``module``'s forward hooks inside run as ``call`` says (see [Note: calls routed through a
+    root's forward]); a module that is not a unit is left alone."""
+    state = get_unit_state(module)
+    if state is None:
+        yield
+        return
+    previous, state.call = state.call, call
+    try:
+        yield
+    finally:
+        state.call = previous
 
+
+def regather_in_forward(module: nn.Module) -> None:
+    """After an optimizer step taken inside ``module``'s forward: gather again every unit still in its
+    forward, so the rest of the forward sees the new weights (see [Note: backward inside a forward]). A
+    collective: call it on every rank. Does nothing outside the root's forward."""
+    state = get_unit_state(module)
+    if state is not None:
+        state.refresh_in_forward()
+
+
+def begin_backward_in_forward(module: nn.Module, tensor: torch.Tensor) -> None:
+    """Call before ``tensor.backward()`` while ``module``'s (a root's) forward runs: its backward starts at
+    ``tensor``, since the forward's outputs carry no hooks yet (see [Note: backward inside a forward])."""
+    state = get_unit_state(module)
+    if state is not None:
+        state.begin_backward_in_forward(tensor)
+
+
+def _rank_prefix() -> str:
     if dist.is_available() and dist.is_initialized():
         return f"[rank {dist.get_rank()}] "
     return ""

@@ -3,31 +3,19 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from flatshard.engine.checkpointing import (
-    CheckFn,
-    apply_activation_checkpointing,
-    resolve_checkpointing_policy,
-)
-from flatshard.engine.config import (
-    BackwardPrefetch,
-    CPUOffload,
-    MixedPrecision,
-    ShardingStrategy,
-    normalize_backward_prefetch,
-    normalize_cpu_offload,
-    normalize_mixed_precision,
-    normalize_sharding_strategy,
-)
+from flatshard.engine.activation_checkpointing import CheckFn, apply_activation_checkpointing
+from flatshard.engine.config import ShardingStrategy, ShardOptions
 from flatshard.engine.handle import FlatParamHandle
-from flatshard.engine.materialize import ParamInitFn, has_meta_tensors, materialize_modules, materialize_unit
+from flatshard.engine.materialize import has_meta_tensors, materialize_modules, materialize_unit
 from flatshard.engine.precision import (
     UnitPrecision,
     cast_buffers,
@@ -36,7 +24,7 @@ from flatshard.engine.precision import (
 )
 from flatshard.engine.process_groups import resolve_groups
 from flatshard.engine.runtime import STATE_ATTR, UnitState, get_unit_state
-from flatshard.engine.wrap import PolicyLike, plan_units, resolve_policy, select_unit_modules
+from flatshard.engine.wrap import plan_units, select_unit_modules
 
 __all__ = ["is_sharded", "no_sync", "shard", "unit_states"]
 
@@ -49,23 +37,13 @@ def _default_device(group: Any | None) -> torch.device:
 
 def shard(
     module: nn.Module,
+    options: ShardOptions | None = None,
+    /,
     *,
-    sharding_strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
-    auto_wrap_policy: PolicyLike = None,
     ignored_modules: Iterable[nn.Module] | None = None,
-    process_group: Any | None = None,
-    device: torch.device | str | int | None = None,
-    sync_module_states: bool = False,
-    mixed_precision: MixedPrecision | Mapping[str, Any] | None = None,
-    cpu_offload: CPUOffload | bool | None = None,
-    limit_all_gathers: bool = True,
-    backward_prefetch: BackwardPrefetch | str | None = BackwardPrefetch.BACKWARD_PRE,
-    forward_prefetch: bool = False,
-    activation_checkpointing_policy: Any = None,
-    param_init_fn: ParamInitFn | None = None,
-    shard_group_size: int | None = None,
+    **kwargs: Any,
 ) -> nn.Module:
-    """Shard ``module`` in place over the ranks of ``process_group`` and return it.
+    """Shard ``module`` in place over the ranks of the shard group and return it.
 
     The module keeps its class, its parameter names and its ``Parameter`` objects; each parameter's data
     becomes this rank's piece of its unit's flat parameter (see ``flatshard.engine.handle``). Forward and
@@ -74,43 +52,11 @@ def shard(
     Args:
         module: the module to shard; it is the root unit. Submodules sharded by earlier ``shard()`` calls
             are kept as they are (manual nesting: shard inner modules first).
-        sharding_strategy: ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"``, ``"NO_SHARD"``, ``"HYBRID_SHARD"``
-            (FULL_SHARD inside shard groups, replicated across them) or ``"HYBRID_SHARD_ZERO2"``
-            (SHARD_GRAD_OP inside); see [Note: hybrid groups].
-        auto_wrap_policy: which submodules become units of their own: ``None`` (default, only the root),
-            a set of module classes (or import paths), an int (minimum parameters per unit), or a callable
-            ``(module, recurse, nonwrapped_numel) -> bool`` (torch FSDP's policy contract).
+        options: a :class:`~flatshard.engine.config.ShardOptions`. Default: ``ShardOptions()``.
         ignored_modules: modules whose parameters are left alone (not sharded, gradients not reduced).
-        process_group: the ranks to shard over. Default: all ranks (``None``: the default group). For hybrid
-            strategies: a ``(shard_group, replicate_group)`` tuple or a 2-D ``DeviceMesh`` (replicate, shard).
-        shard_group_size: hybrid strategies: ranks per shard group (consecutive ranks; must divide the world
-            size). Default: ``LOCAL_WORLD_SIZE`` (shard within a node).
-        device: where shards and compute live. Default: the current CUDA device with NCCL, else CPU.
-        sync_module_states: broadcast rank 0's parameters and buffers before sharding. Default: ``False``.
-        backward_prefetch: when to issue the next unit's all-gather in backward: ``"BACKWARD_PRE"``
-            (default: before the current unit's gradient computation, more overlap), ``"BACKWARD_POST"``
-            (after it, less memory) or ``None``.
-        forward_prefetch: issue the next unit's all-gather before the current unit's forward compute.
-            Default: ``False``.
-        limit_all_gathers: rate-limit all-gathers so at most two unsharded buffers are pending
-            (see ``flatshard.engine.limiter``; CUDA only, CPU work is synchronous). Default: ``True``.
-        activation_checkpointing_policy: which submodules recompute their activations in backward instead
-            of keeping them (see [Note: activation checkpointing]): module classes or their import paths,
-            an int (modules with at least that many parameters), a callable ``module -> bool`` or a torch-
-            FSDP-style policy callable. The outermost matching modules are checkpointed (non-reentrant);
-            parameter names and checkpoints do not change. Default: ``None``.
-        mixed_precision: a :class:`MixedPrecision` (or a mapping of its fields, dtypes as strings like
-            ``"bf16"``): gather and compute in ``param_dtype``, reduce gradients in ``reduce_dtype``, keep
-            fp32 shards for the optimizer and checkpoints (see [Note: mixed precision]). Batch-norm
-            modules become units of their own in full precision. Default: ``None``.
-        cpu_offload: ``True`` or ``CPUOffload(offload_params=True)``: shards and gradient shards in CPU
-            memory (pinned with CUDA compute), so the optimizer steps on CPU; each unit is copied to the
-            compute device for its gather (see [Note: CPU offload]). Default: ``None`` (no offload).
-        param_init_fn: for a module built on the meta device: called with each module that holds meta
-            parameters, after their storage is allocated on ``device``; it must initialize them in place.
-            Default: ``None`` (the module's own ``reset_parameters()``). Modules are materialized one unit
-            at a time, right before the unit is sharded (see [Note: materializing unit by unit]), so the
-            whole model never exists unsharded.
+        **kwargs: fields of :class:`~flatshard.engine.config.ShardOptions` (``sharding_strategy``,
+            ``auto_wrap_policy``, ``mixed_precision``, ``cpu_offload``, ``device``, ...), given one by one;
+            with ``options`` they replace its values.
 
     Returns:
         ``module`` itself.
@@ -122,24 +68,14 @@ def shard(
             f"{type(module).__name__} is already sharded. HINT: call shard() once per module; to nest, "
             "shard inner modules first and the outer module last."
         )
-    strategy = normalize_sharding_strategy(sharding_strategy)
-    mp = normalize_mixed_precision(mixed_precision)
-    offload = normalize_cpu_offload(cpu_offload)
-    prefetch = normalize_backward_prefetch(backward_prefetch)
-    for arg, value in (("limit_all_gathers", limit_all_gathers), ("forward_prefetch", forward_prefetch)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{arg} must be a bool, got {type(value).__name__}: {value!r}.")
-    policy = resolve_policy(auto_wrap_policy)
-    checkpoint_check = resolve_checkpointing_policy(activation_checkpointing_policy)
+    opts = _options(options, kwargs)
+    strategy, mp, param_init_fn = opts.sharding_strategy, opts.mixed_precision, opts.param_init_fn
     ignored = _expand_ignored(module, ignored_modules)
-    shard_group, replicate_group = resolve_groups(strategy, process_group, shard_group_size)
-    target = torch.device(device) if device is not None else _default_device(shard_group)
+    shard_group, replicate_group = resolve_groups(strategy, opts.process_group, opts.shard_group_size)
+    target = opts.device if opts.device is not None else _default_device(shard_group)
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
-    if param_init_fn is not None and not callable(param_init_fn):
-        raise TypeError(
-            f"param_init_fn must be a callable taking a module, got {type(param_init_fn).__name__}."
-        )
+    opts = replace(opts, device=target)
     deferred = any(has_meta_tensors(m, recurse=False) for m in module.modules() if m not in ignored)
     if param_init_fn is not None and not deferred:
         warnings.warn(
@@ -152,7 +88,7 @@ def shard(
     # Only the outermost finished units matter: their subtrees are done.
     managed = {p for m in finished for s in [get_unit_state(m)] if s and s.handle for p in s.handle.params}
     _check_same_hybrid_groups(module, finished, strategy, shard_group, replicate_group)
-    unit_modules = select_unit_modules(module, policy, ignored, finished)
+    unit_modules = select_unit_modules(module, opts.auto_wrap_policy, ignored, finished)
     full_precision: list[nn.Module] = []  # batch norms: their parameters and buffers are never cast
     if mp is not None and (mp.param_dtype is not None or mp.buffer_dtype is not None):
         inside_finished = {sub for m in finished for sub in m.modules()}
@@ -162,18 +98,7 @@ def shard(
             unit_modules = [m for m in module.modules() if m in chosen]
     plans = plan_units(module, unit_modules, ignored, finished, managed)
     names = {p: n for n, p in module.named_parameters(remove_duplicate=True)}
-    sync_group = dist.group.WORLD if sync_module_states and dist.is_initialized() else None
-    config = {
-        "sharding_strategy": strategy,
-        "process_group": process_group,
-        "device": target,
-        "ignored_modules": ignored,
-        "backward_prefetch": prefetch,
-        "forward_prefetch": forward_prefetch,
-        "limit_all_gathers": limit_all_gathers,
-        "mixed_precision": mp,
-        "cpu_offload": offload,
-    }
+    sync_group = dist.group.WORLD if opts.sync_module_states and dist.is_initialized() else None
     for m in full_precision:
         keep_full_precision(m, next((p.dtype for p in m.parameters()), torch.float32))
     full_precision_set = set(full_precision)
@@ -192,21 +117,39 @@ def shard(
                 replicate_group,
                 target,
                 sync_group=sync_group,
-                offload=offload,
+                offload=opts.cpu_offload,
                 precision=UnitPrecision.resolve(
                     None if plan.module in full_precision_set else mp, plan.params[0].dtype
                 ),
             )
-        plan.module.__dict__[STATE_ATTR] = UnitState(plan.module, handle, strategy, config)
+        plan.module.__dict__[STATE_ATTR] = UnitState(plan.module, handle, opts)
     if deferred:  # modules with meta buffers only
         materialize_modules(
             [m for m in module.modules() if m not in ignored], target, param_init_fn, module_names
         )
     _move_buffers(module, target, ignored, sync_group)
     cast_buffers(module, mp.buffer_dtype if mp is not None else None, ignored | set(full_precision))
-    if checkpoint_check is not None:
-        _checkpoint_inside_units(module, checkpoint_check, ignored)
+    if opts.activation_checkpointing_policy is not None:
+        _checkpoint_inside_units(module, opts.activation_checkpointing_policy, ignored)
     return module
+
+
+def _options(options: ShardOptions | None, kwargs: dict[str, Any]) -> ShardOptions:
+    """``options`` with ``kwargs`` replacing its fields, validated once; unknown names get a hint."""
+    if options is not None and not isinstance(options, ShardOptions):
+        raise TypeError(
+            f"shard()'s second argument is a ShardOptions, got {type(options).__name__}. HINT: pass options by "
+            "keyword, e.g. shard(model, sharding_strategy='FULL_SHARD')."
+        )
+    unknown = sorted(set(kwargs) - set(ShardOptions.field_names()))
+    if unknown:
+        raise TypeError(
+            f"shard() got unknown options {unknown}. HINT: the options are {', '.join(ShardOptions.field_names())} "
+            "(and ignored_modules)."
+        )
+    if options is None:
+        return ShardOptions(**kwargs)
+    return replace(options, **kwargs) if kwargs else options
 
 
 def _check_same_hybrid_groups(

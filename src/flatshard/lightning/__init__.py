@@ -3,7 +3,7 @@
 from flatshard.lightning.fabric import FlatShardFabricStrategy
 from flatshard.lightning.precision import FlatShardGradScaler, FlatShardPrecision
 from flatshard.lightning.strategy import FlatShardStrategy
-from flatshard.registration import register
+from flatshard.strategy_names import register_names
 
 __all__ = [
     "FlatShardFabricStrategy",
@@ -12,3 +12,13 @@ __all__ = [
     "FlatShardStrategy",
     "register",
 ]
+
+
+def register() -> None:
+    """Register the strategy names with the Trainer and Fabric registries now. Idempotent; ``import flatshard``
+    already does it (see [Note: registering without importing Lightning])."""
+    import lightning.fabric.strategies
+    import lightning.pytorch.strategies
+
+    register_names(lightning.pytorch.strategies.StrategyRegistry, FlatShardStrategy)
+    register_names(lightning.fabric.strategies.STRATEGY_REGISTRY, FlatShardFabricStrategy)

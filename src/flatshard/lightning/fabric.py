@@ -30,30 +30,39 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from flatshard.checkpoint import check_required, load_into
-from flatshard.checkpoint.files import atomic_save, load_checkpoint_file
-from flatshard.checkpoint.sharded import is_sharded_checkpoint, write_sharded_checkpoint
-from flatshard.engine import shard
-from flatshard.engine.clip import clip_grad_norm_params_
-from flatshard.engine.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from flatshard.engine.optim_state import (
+from flatshard.checkpoint import (
+    atomic_save,
+    check_required,
+    is_sharded_checkpoint,
+    load_checkpoint_file,
+    load_into,
+    write_sharded_checkpoint,
+)
+from flatshard.engine import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    ShardingStrategy,
+    check_full_model_state_dict,
+    clip_grad_norm_params_,
     convert_full_optim_state_dict,
+    full_model_state_dict,
     full_optim_state_dict,
+    is_sharded,
+    load_full_model_state_dict,
     load_full_optim_state_dict,
+    no_sync,
     parameter_names,
     rebind_optimizer,
-)
-from flatshard.engine.shard import is_sharded, no_sync
-from flatshard.engine.sharded_state import sharded_model_state_dict, sharded_optim_state_dict
-from flatshard.engine.state_dict import (
-    check_full_model_state_dict,
-    full_model_state_dict,
-    load_full_model_state_dict,
+    shard,
+    sharded_model_state_dict,
+    sharded_optim_state_dict,
 )
 from flatshard.lightning.distributed import barrier, broadcast_object, init_process_group, reduce_tensor
+from flatshard.lightning.metrics import move_metrics
 from flatshard.lightning.options import StrategyOptions
 from flatshard.lightning.precision import FlatShardFabricHalfPrecision, mixed_precision_for, sharded_scaler
-from flatshard.lightning.strategy import _move_metrics
+from flatshard.strategy_names import register_names
 
 if TYPE_CHECKING:
     from lightning.fabric.accelerators import Accelerator
@@ -134,23 +143,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn"] = "popen",
     ) -> None:
         # Options first: the precision setter, called by the base __init__, checks the flag against them.
-        self.options = StrategyOptions.create(
-            sharding_strategy=sharding_strategy,
-            auto_wrap_policy=auto_wrap_policy,
-            activation_checkpointing_policy=activation_checkpointing_policy,
-            cpu_offload=cpu_offload,
-            mixed_precision=mixed_precision,
-            limit_all_gathers=limit_all_gathers,
-            backward_prefetch=backward_prefetch,
-            forward_prefetch=forward_prefetch,
-            state_dict_type=state_dict_type,
-            sync_module_states=sync_module_states,
-            param_init_fn=param_init_fn,
-            shard_group_size=shard_group_size,
-            process_group=process_group,
-            device_mesh=device_mesh,
-            start_method=start_method,
-        )
+        self.options = StrategyOptions.from_arguments(locals())
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -226,16 +219,16 @@ class FlatShardFabricStrategy(ParallelStrategy):
 
     @override
     def setup_module(self, module: Module) -> Module:
-        _move_metrics(module, self.root_device)  # first: a metric built on meta is refused before sharding
+        move_metrics(module, self.root_device)  # first: a metric built on meta is refused before sharding
         if not is_sharded(module):
             flag = str(getattr(self.precision, "precision", "32-true"))
-            kwargs = self.options.shard_kwargs(
+            options = self.options.shard_options(
                 self.root_device,
                 mixed_precision_for(flag, self.options.mixed_precision),
                 self.num_processes,
                 self.num_nodes * self.num_processes,
             )
-            shard(module, **kwargs)
+            shard(module, options)
         self._sharded_modules.append(module)
         return module
 
@@ -454,6 +447,4 @@ class FlatShardFabricStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        from flatshard.registration import register_names
-
         register_names(strategy_registry, cls)

@@ -31,8 +31,7 @@ from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
-from flatshard.engine.clip import clip_grad_norm_params_
-from flatshard.engine.config import MixedPrecision
+from flatshard.engine import MixedPrecision, clip_grad_norm_params_
 
 __all__ = [
     "FlatShardFabricHalfPrecision",

@@ -24,22 +24,22 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
-from flatshard.checkpoint import load_into
-from flatshard.checkpoint.files import atomic_save
-from flatshard.checkpoint.sharded import write_sharded_checkpoint
-from flatshard.engine import shard
-from flatshard.engine.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from flatshard.engine.optim_state import (
+from flatshard.checkpoint import atomic_save, load_into, write_sharded_checkpoint
+from flatshard.engine import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    ShardingStrategy,
+    full_model_state_dict,
     full_optim_state_dict,
+    is_sharded,
+    no_sync,
     original_shapes,
     parameter_names,
     rebind_optimizer,
-)
-from flatshard.engine.runtime import get_unit_state
-from flatshard.engine.shard import is_sharded, no_sync
-from flatshard.engine.sharded_state import sharded_model_state_dict, sharded_optim_state_dict
-from flatshard.engine.state_dict import (
-    full_model_state_dict,
+    shard,
+    sharded_model_state_dict,
+    sharded_optim_state_dict,
 )
 from flatshard.lightning.distributed import (
     barrier,
@@ -49,8 +49,11 @@ from flatshard.lightning.distributed import (
     set_world_ranks,
 )
 from flatshard.lightning.launcher import SpawnLauncher
+from flatshard.lightning.metrics import move_metrics
 from flatshard.lightning.options import StrategyOptions
 from flatshard.lightning.precision import FlatShardPrecision, mixed_precision_for, to_flatshard_precision
+from flatshard.lightning.step_modes import StepModes
+from flatshard.strategy_names import register_names
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -61,22 +64,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["FlatShardStrategy"]
-
-
-def _move_metrics(model: Module, device: torch.device) -> None:
-    """torchmetrics states are plain attributes, not buffers: move them like Lightning does (never sharded)."""
-    from torchmetrics import Metric
-
-    for m in model.modules():
-        if isinstance(m, Metric):
-            states = [v for v in vars(m).get("_defaults", {}).values() if isinstance(v, torch.Tensor)]
-            if any(t.is_meta for t in states):
-                raise ValueError(
-                    f"The torchmetrics {type(m).__name__} was created on the meta device (inside "
-                    "init_module(empty_init=True) or torch.device('meta')), so its states have no values. HINT: "
-                    "create metrics outside that context, e.g. assign them after it or in setup()."
-                )
-            m.to(device)
 
 
 class FlatShardStrategy(ParallelStrategy):
@@ -166,24 +153,7 @@ class FlatShardStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn"] = "popen",
     ) -> None:
         # Options first: the precision setter, called by the base __init__, checks the flag against them.
-        self.options = StrategyOptions.create(
-            sharding_strategy=sharding_strategy,
-            auto_wrap_policy=auto_wrap_policy,
-            activation_checkpointing_policy=activation_checkpointing_policy,
-            cpu_offload=cpu_offload,
-            mixed_precision=mixed_precision,
-            limit_all_gathers=limit_all_gathers,
-            backward_prefetch=backward_prefetch,
-            forward_prefetch=forward_prefetch,
-            state_dict_type=state_dict_type,
-            sync_module_states=sync_module_states,
-            param_init_fn=param_init_fn,
-            shard_group_size=shard_group_size,
-            process_group=process_group,
-            device_mesh=device_mesh,
-            start_method=start_method,
-            grad_accumulation=grad_accumulation,
-        )
+        self.options = StrategyOptions.from_arguments(locals())
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -194,11 +164,12 @@ class FlatShardStrategy(ParallelStrategy):
         self.num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self._step_modes = StepModes()
 
     # ------------------------------------------------------------------ properties
     @property
     def sharding_strategy(self) -> ShardingStrategy:
-        return self.options.sharding_strategy
+        return self.options.shard.sharding_strategy
 
     @property
     @override
@@ -308,15 +279,15 @@ class FlatShardStrategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     def _setup_model(self, model: Module) -> Module:
-        _move_metrics(model, self.root_device)  # first: a metric built on meta is refused before sharding
+        move_metrics(model, self.root_device)  # first: a metric built on meta is refused before sharding
         if is_sharded(model):
             log.debug("flatshard: model is already sharded; reusing its units.")
         else:
             config = mixed_precision_for(self.precision_plugin.precision, self.options.mixed_precision)
-            kwargs = self.options.shard_kwargs(
+            options = self.options.shard_options(
                 self.root_device, config, self.num_processes, self.num_nodes * self.num_processes
             )
-            shard(model, **kwargs)
+            shard(model, options)
         return model
 
     @contextmanager
@@ -354,17 +325,19 @@ class FlatShardStrategy(ParallelStrategy):
         DDP, instead of being cast like a unit's forward inputs; see [Note: mixed precision].
         """
         assert self.model is not None and self.lightning_module is not None
-        root = get_unit_state(self.model)
-        if root is not None:
-            root.cast_inputs = not self.precision_plugin.autocast
-            # manual optimization may toggle requires_grad inside the step: see [Note: backward inside a forward]
-            root.track_frozen = method == "training_step" and not self.lightning_module.automatic_optimization
-        try:
+        model, module = self.model, self.lightning_module
+
+        def step() -> Any:
             with context:
-                return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
-        finally:
-            if root is not None:
-                root.cast_inputs, root.track_frozen = True, False
+                return self._forward_redirection(model, module, method, *args, **kwargs)
+
+        return self._step_modes.run(
+            model,
+            method,
+            step,
+            autocast=self.precision_plugin.autocast,
+            manual_optimization=not module.automatic_optimization,
+        )
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -397,19 +370,12 @@ class FlatShardStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
-        # A step taken inside training_step (manual optimization) changed shards the root still has gathered.
-        root = get_unit_state(self.model) if self.model is not None else None
-        if root is not None:
-            root.refresh_in_forward()
+        self._step_modes.after_optimizer_step(self.model)  # a step inside training_step (manual optimization)
         return out
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
-        # Manual optimization calls backward inside training_step, i.e. inside the root's forward; see
-        # [Note: backward inside a forward] in flatshard.engine.runtime.
-        root = get_unit_state(self.model) if self.model is not None else None
-        if root is not None:
-            root.begin_backward_in_forward(closure_loss)
+        self._step_modes.before_backward(self.model, closure_loss)  # manual optimization: inside training_step
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -510,6 +476,4 @@ class FlatShardStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        from flatshard.registration import register_names
-
         register_names(strategy_registry, cls)

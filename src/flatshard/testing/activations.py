@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from flatshard.engine.shard import unit_states
+from flatshard.engine import unit_states
 
 __all__ = ["saved_activation_bytes"]
 

@@ -11,28 +11,29 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from flatshard.engine import comm
-from flatshard.engine.gather import GatherItem, gather_items
 from flatshard.engine.handle import FlatParamHandle, handle_of_param
 from flatshard.engine.precision import original_buffer_dtypes
 from flatshard.engine.runtime import TrainingState, UnitState
 from flatshard.engine.shard import unit_states
+from flatshard.engine.state.stream_gather import GatherItem, gather_items
+from flatshard.engine.transport import comm
 
 __all__ = [
     "check_full_model_state_dict",
     "full_model_state_dict",
     "gather_full_flat",
     "load_full_model_state_dict",
+    "parameter_names",
     "plan_full_model_state_dict",
     "prepare_for_state_io",
 ]
 
 
-def global_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+def parameter_names(module: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name`` of the module's parameters; a shared parameter gets its first name."""
+    return {id(p): n for n, p in module.named_parameters(remove_duplicate=True)}
 
 
 def prepare_for_state_io(module: nn.Module, what: str) -> list[UnitState]:
@@ -82,7 +83,7 @@ def full_model_state_dict(
     Each unit's shards move straight into the returned full-shape tensors (see [Note: streamed
     full-state gathers]); no rank ever holds a unit's flat parameter unsharded.
     """
-    keep = global_rank() == 0 or not rank0_only
+    keep = comm.global_rank() == 0 or not rank0_only
     items, assemble = plan_full_model_state_dict(module, keep=keep, cpu_offload=cpu_offload)
     return assemble(gather_items(items, keep))
 
@@ -93,7 +94,7 @@ def plan_full_model_state_dict(
     """What to gather (one item per unit) and how to build the state dict from the gathered tensors.
 
     Split so that a caller gathering model and optimizer state moves everything in one
-    :func:`~flatshard.engine.gather.gather_items` call.
+    :func:`~flatshard.engine.state.stream_gather.gather_items` call.
     """
     states = prepare_for_state_io(module, "get_state_dict")
     handles = [s.handle for s in states if s.handle is not None]

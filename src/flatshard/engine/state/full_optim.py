@@ -11,104 +11,29 @@ Indices follow ``param_groups`` order, as ``torch.optim.Optimizer.state_dict()``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from flatshard.engine.gather import GatherItem, gather_items
-from flatshard.engine.handle import FlatParamHandle, handle_of_param
-from flatshard.engine.shard import unit_states
-from flatshard.engine.state_dict import copy_out, global_rank, prepare_for_state_io
+from flatshard.engine.handle import FlatParamHandle, locate_params
+from flatshard.engine.state.full_model import copy_out, prepare_for_state_io
+from flatshard.engine.state.stream_gather import GatherItem, gather_items
+from flatshard.engine.transport.comm import global_rank
 
 __all__ = [
     "convert_full_optim_state_dict",
     "full_optim_state_dict",
     "load_full_optim_state_dict",
-    "original_shapes",
-    "parameter_names",
+    "optimizer_params",
     "plan_full_optim_state_dict",
-    "rebind_optimizer",
 ]
 
 
-@contextmanager
-def original_shapes(module: nn.Module) -> Iterator[None]:
-    """Inside, every sharded parameter of ``module`` has its original shape (not its 1-D piece) and no values:
-    its data is one element repeated by zero strides. For building an optimizer whose param groups depend
-    on shapes after the model is sharded; ``rebind_optimizer`` then cuts any state it made to the pieces.
-    """
-    scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-    saved: list[tuple[nn.Parameter, torch.Tensor]] = []
-    try:
-        for handle in (state.handle for state in unit_states(module) if state.handle is not None):
-            if handle.shard_world == 1:
-                continue  # its pieces already have the full shapes
-            for p, shape in zip(handle.params, handle.layout.shapes, strict=True):
-                one = scratch.setdefault((p.dtype, p.device), torch.zeros(1, dtype=p.dtype, device=p.device))
-                saved.append((p, p.data))
-                p.data = one.as_strided(shape, (0,) * len(shape))
-        yield
-    finally:
-        for p, data in saved:
-            p.data = data
-
-
-def parameter_names(module: nn.Module) -> dict[int, str]:
-    """``id(parameter) -> name`` of the module's parameters, to find them again with ``rebind_optimizer``."""
-    return {id(p): n for n, p in module.named_parameters(remove_duplicate=True)}
-
-
-def rebind_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[int, str], module: nn.Module) -> None:
-    """Fit an optimizer built before ``shard()`` to the sharded module.
-
-    ``shard()`` keeps a module's ``Parameter`` objects, except those built on the meta device: materializing
-    makes new ones. Each parameter the optimizer holds that was the module's (``names``, taken before
-    sharding) and no longer is, is replaced by the module's parameter of the same name. State an optimizer
-    created in its constructor (Adagrad's ``sum``) has the parameter's full shape; it is cut down to this
-    rank's piece. Tensors that were never the module's are left alone. Raises ``ValueError`` (changing
-    nothing) if a parameter cannot be found, or holds state although it was replaced.
-    """
-    now = dict(module.named_parameters(remove_duplicate=True))
-    current = {id(p) for p in now.values()}
-    replace: list[tuple[dict[str, Any], int, torch.Tensor, nn.Parameter]] = []
-    for index, group in enumerate(optimizer.param_groups):
-        for i, p in enumerate(group["params"]):
-            if id(p) in current or id(p) not in names:
-                continue
-            name = names[id(p)]
-            if name not in now:
-                raise ValueError(
-                    f"{type(optimizer).__name__} param group {index} holds parameter {name!r}, which the model no "
-                    "longer has after sharding. HINT: create the optimizer after sharding the model."
-                )
-            if optimizer.state.get(p):
-                raise ValueError(
-                    f"{type(optimizer).__name__} already holds state for parameter {name!r}, which sharding "
-                    "replaced (it was built on the meta device). HINT: create the optimizer after sharding."
-                )
-            replace.append((group, i, p, now[name]))
-    for group, i, old, new in replace:
-        optimizer.state.pop(old, None)
-        params = list(group["params"])
-        params[i] = new
-        group["params"] = params
-    params = _ordered_params(optimizer)
-    for p, (handle, index) in zip(params, _locate(params), strict=True):
-        if handle is None or not optimizer.state.get(p):
-            continue
-        full_shape, info = handle.layout.shapes[index], handle.shard_infos[index]
-        for key, value in optimizer.state[p].items():
-            if isinstance(value, torch.Tensor) and value.shape == full_shape and value.shape != p.shape:
-                start = info.offset_in_param
-                piece = value.reshape(-1)[start : start + info.numel_in_shard]
-                optimizer.state[p][key] = piece.to(p.device).clone().view(p.shape)
-
-
-def _ordered_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters in ``param_groups`` order: the order ``state_dict()`` numbers them in."""
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
@@ -116,14 +41,6 @@ def _is_sharded_state(handle: FlatParamHandle | None, value: Any) -> bool:
     return (
         handle is not None and handle.shard_world > 1 and isinstance(value, torch.Tensor) and value.dim() > 0
     )
-
-
-def _locate(params: list[torch.Tensor]) -> list[tuple[FlatParamHandle | None, int]]:
-    out: list[tuple[FlatParamHandle | None, int]] = []
-    for p in params:
-        handle = handle_of_param(p)
-        out.append((handle, -1 if handle is None else handle.index_of(p)))
-    return out
 
 
 def full_optim_state_dict(
@@ -144,8 +61,8 @@ def plan_full_optim_state_dict(
 ) -> tuple[list[GatherItem], Callable[[list[dict[int, torch.Tensor]]], dict[str, Any]]]:
     """Agree on the state's metadata (all ranks); return what to gather and how to build the state."""
     prepare_for_state_io(module, "get_state_dict")
-    params = _ordered_params(optimizer)
-    located = _locate(params)
+    params = optimizer_params(optimizer)
+    located = locate_params(params)
     local = optimizer.state_dict()
     # Metadata of sharded tensors: (idx, key) -> dtype, union over ranks (one object collective).
     meta: dict[tuple[int, str], torch.dtype] = {}
@@ -239,8 +156,8 @@ def convert_full_optim_state_dict(
     prepare_for_state_io(module, "set_state_dict")
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError(f"{source} is not an optimizer state dict (needs 'state' and 'param_groups').")
-    params = _ordered_params(optimizer)
-    located = _locate(params)
+    params = optimizer_params(optimizer)
+    located = locate_params(params)
     saved_groups = state_dict["param_groups"]
     sizes_saved = [len(g["params"]) for g in saved_groups]
     sizes_now = [len(g["params"]) for g in optimizer.param_groups]

@@ -21,14 +21,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from flatshard.engine.handle import FlatParamHandle, handle_of_param
+from flatshard.engine.handle import handle_of_param
 from flatshard.engine.precision import original_buffer_dtypes
-from flatshard.engine.state_dict import prepare_for_state_io
+from flatshard.engine.state.full_model import parameter_names, prepare_for_state_io
+from flatshard.engine.state.full_optim import optimizer_params
 
 __all__ = [
     "ParamShard",
     "local_param_targets",
-    "param_names",
+    "param_shard",
     "sharded_model_state_dict",
     "sharded_optim_state_dict",
     "to_local_model_state",
@@ -65,16 +66,14 @@ class ParamShard:
         )
 
 
-def param_names(module: nn.Module) -> dict[int, str]:
-    """``id(parameter) -> name``; a shared parameter gets its first name."""
-    out: dict[int, str] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        out.setdefault(id(p), name)
-    return out
-
-
-def _shard_of(handle: FlatParamHandle, i: int, local: torch.Tensor) -> ParamShard:
-    return ParamShard(local.reshape(-1), handle.shard_infos[i].offset_in_param, handle.layout.shapes[i])
+def param_shard(param: torch.Tensor) -> ParamShard | None:
+    """``param``'s piece on this rank as a :class:`ParamShard` view (no copy); ``None`` for a parameter that
+    belongs to no unit (ignored, or replicated here)."""
+    handle = handle_of_param(param)
+    if handle is None:
+        return None
+    i = handle.index_of(param)
+    return ParamShard(param.detach().reshape(-1), handle.shard_infos[i].offset_in_param, handle.layout.shapes[i])
 
 
 def sharded_model_state_dict(module: nn.Module) -> dict[str, Any]:
@@ -88,11 +87,9 @@ def sharded_model_state_dict(module: nn.Module) -> dict[str, Any]:
     shards: dict[int, ParamShard] = {}
     restore = original_buffer_dtypes(module)
     for key, value in module.state_dict(keep_vars=True).items():
-        handle = handle_of_param(value) if isinstance(value, torch.Tensor) else None
-        if handle is not None:
-            if id(value) not in shards:
-                shards[id(value)] = _shard_of(handle, handle.index_of(value), value.detach())
-            out[key] = shards[id(value)]
+        shard = param_shard(value) if isinstance(value, torch.Tensor) else None
+        if shard is not None:
+            out[key] = shards.setdefault(id(value), shard)
         elif isinstance(value, torch.Tensor):
             out[key] = value.detach().to(restore.get(key, value.dtype))
         else:
@@ -100,14 +97,10 @@ def sharded_model_state_dict(module: nn.Module) -> dict[str, Any]:
     return out
 
 
-def _ordered_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
 def _optimizer_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    names = param_names(module)
+    names = parameter_names(module)
     out = []
-    for p in _ordered_params(optimizer):
+    for p in optimizer_params(optimizer):
         if id(p) not in names:
             raise ValueError(
                 f"{type(optimizer).__name__} holds a parameter of shape {tuple(p.shape)} that is not a parameter "
@@ -123,23 +116,23 @@ def _optimizer_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> lis
 def sharded_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """This rank's optimizer state, keyed by parameter name (see [Note: sharded state]); no copies."""
     prepare_for_state_io(module, "get_state_dict")
-    params = _ordered_params(optimizer)
+    params = optimizer_params(optimizer)
     names = _optimizer_names(module, optimizer)
     local = optimizer.state_dict()
     state: dict[str, dict[str, Any]] = {}
     for idx, entries in local["state"].items():
         p, name = params[idx], names[idx]
-        handle = handle_of_param(p)
+        shard = param_shard(p)
         converted: dict[str, Any] = {}
         for key, value in entries.items():
-            if handle is not None and isinstance(value, torch.Tensor) and value.dim() > 0:
+            if shard is not None and isinstance(value, torch.Tensor) and value.dim() > 0:
                 if value.shape != p.shape:
                     raise ValueError(
                         f"{type(optimizer).__name__} keeps state {key!r} of shape {tuple(value.shape)} for "
                         f"{name!r}, whose local piece has shape {tuple(p.shape)}; only elementwise optimizer "
                         "state can be sharded. HINT: use an elementwise optimizer (Adam, AdamW, SGD...)."
                     )
-                converted[key] = _shard_of(handle, handle.index_of(p), value.detach())
+                converted[key] = ParamShard(value.detach().reshape(-1), shard.offset, shard.shape)
             else:
                 converted[key] = value
         state[name] = converted
@@ -194,7 +187,7 @@ def to_local_optim_state(
     Raises ``ValueError`` naming ``source`` if groups or shapes do not fit; changes nothing. With ``copy``
     the pieces are cloned (``Optimizer.load_state_dict`` keeps the tensors it is given).
     """
-    params = _ordered_params(optimizer)
+    params = optimizer_params(optimizer)
     names = _optimizer_names(module, optimizer)
     saved_groups = sharded["param_groups"]
     now = [

@@ -1,4 +1,4 @@
-"""Public state functions: ``get_state_dict`` / ``set_state_dict`` over model and optimizer(s)."""
+"""``get_state_dict`` / ``set_state_dict``: the user-facing pair over a model and its optimizer(s), full or sharded."""
 
 from __future__ import annotations
 
@@ -8,9 +8,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from flatshard.engine.gather import gather_items
-from flatshard.engine.optim_state import convert_full_optim_state_dict, plan_full_optim_state_dict
-from flatshard.engine.sharded_state import (
+from flatshard.engine.state.full_model import (
+    check_full_model_state_dict,
+    load_full_model_state_dict,
+    plan_full_model_state_dict,
+)
+from flatshard.engine.state.full_optim import convert_full_optim_state_dict, plan_full_optim_state_dict
+from flatshard.engine.state.sharded import (
     ParamShard,
     local_param_targets,
     sharded_model_state_dict,
@@ -18,12 +22,8 @@ from flatshard.engine.sharded_state import (
     to_local_model_state,
     to_local_optim_state,
 )
-from flatshard.engine.state_dict import (
-    check_full_model_state_dict,
-    global_rank,
-    load_full_model_state_dict,
-    plan_full_model_state_dict,
-)
+from flatshard.engine.state.stream_gather import gather_items
+from flatshard.engine.transport.comm import global_rank
 
 __all__ = ["get_state_dict", "optimizer_list", "set_state_dict"]
 

@@ -7,7 +7,7 @@ describe what they need as :class:`GatherItem` s (one per unit and per optimizer
 :func:`gather_items` moves all of them in one pass:
 
 * **Outputs first, faulted in ahead.** Every output tensor is allocated before the first byte moves,
-  each in a fresh mapping of its own, and handed to a :class:`~flatshard.engine.memory.Prefaulter`
+  each in a fresh mapping of its own, and handed to a :class:`~flatshard.engine.transport.memory.Prefaulter`
   whose threads back the pages while the copies run (see [Note: prefaulting outputs]). The outputs
   are the result, so this adds nothing to the peak.
 * **Bounded memory.** A shard travels in chunks of at most ``chunk_bytes``; a rank that keeps nothing
@@ -26,7 +26,7 @@ describe what they need as :class:`GatherItem` s (one per unit and per optimizer
 The transport is agreed on by all ranks of the group in one object collective when the stream opens,
 so a rank that cannot map a peer's segment makes every rank fall back, never hang. Segments are
 unlinked as soon as every peer has mapped them; a name left by a process killed before that is removed by
-the next setup on the host (:func:`~flatshard.engine.shm.remove_stale_segments`).
+the next setup on the host (:func:`~flatshard.engine.transport.shm.remove_stale_segments`).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from flatshard.engine.flat_param import FlatLayout
-from flatshard.engine.memory import Prefaulter, empty_mapped
-from flatshard.engine.shm import Segment, exchange_segments
+from flatshard.engine.transport.memory import Prefaulter, empty_mapped
+from flatshard.engine.transport.shm import Segment, exchange_segments
 
 __all__ = [
     "FlatStream",

@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from flatshard.engine import comm
 from flatshard.engine.flat_param import split_flat
 from flatshard.engine.handle import FlatParamHandle
 from flatshard.engine.runtime import UnitState, get_unit_state
-from flatshard.engine.state_dict import gather_full_flat, prepare_for_state_io
+from flatshard.engine.state.full_model import gather_full_flat, prepare_for_state_io
+from flatshard.engine.transport import comm
 
 __all__ = ["unshard_params"]
 

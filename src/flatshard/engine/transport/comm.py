@@ -9,7 +9,7 @@ Quirks handled here:
 - older torch builds lack gloo ``reduce_scatter_tensor``: fall back to all-reduce + local slice.
 - newer torch builds rename ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``*_single``.
 - CPU tensors of ranks on one host go through shared memory instead of the backend (see
-  [Note: shared-memory collectives] in :mod:`flatshard.engine.shm`).
+  [Note: shared-memory collectives] in :mod:`flatshard.engine.transport.shm`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from flatshard.engine import memory, shm
-from flatshard.engine.flat_param import FlatPieces
+from flatshard.engine.transport import memory, shm
+from flatshard.engine.transport.pieces import FlatPieces
 
 __all__ = [
     "CollectiveTiming",
@@ -33,6 +33,7 @@ __all__ = [
     "all_gather_flat",
     "all_reduce_flat",
     "comm_stats",
+    "global_rank",
     "reduce_scatter_flat",
     "timeline",
 ]
@@ -48,6 +49,11 @@ _NO_NATIVE_REDUCE_SCATTER: set[str] = set()
 comm_stats: Counter[str] = Counter()
 """Bytes this process sent into each collective kind (``"all_gather"``, ``"reduce_scatter"``,
 ``"all_reduce"``); reset with ``comm_stats.clear()``."""
+
+def global_rank() -> int:
+    """This process's rank in the default group (0 without one)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
 
 
 @dataclasses.dataclass

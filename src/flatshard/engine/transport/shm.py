@@ -55,8 +55,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flatshard.engine.flat_param import FlatPieces
-from flatshard.engine.memory import libc
+from flatshard.engine.transport.memory import libc
+from flatshard.engine.transport.pieces import FlatPieces
 
 __all__ = [
     "DTYPES",

@@ -1,0 +1,108 @@
+"""Loading a checkpoint into a sharded module (and its optimizers) on any world size and wrap policy.
+
+:func:`load_into` tells the format from what is on disk (a full file, or a sharded directory: see
+``flatshard.checkpoint.load_sharded``) and validates everything (keys, shapes, optimizer groups, truncated or
+missing files, format version) on every rank, with the ranks agreeing, before anything changes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from flatshard.checkpoint.files import CheckpointError, load_checkpoint_file
+from flatshard.checkpoint.load_sharded import load_sharded
+from flatshard.checkpoint.validate import agree_on_error, check_optimizer_count, check_required
+from flatshard.engine import (
+    check_full_model_state_dict,
+    convert_full_optim_state_dict,
+    load_full_model_state_dict,
+    optimizer_list,
+)
+
+__all__ = ["load_checkpoint", "load_into"]
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    *,
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Load a full file or sharded directory into ``module`` (and optimizers) on any world size.
+
+    Call on every rank. Returns the checkpoint's other entries (without ``state_dict`` and
+    ``optimizer_states``). Raises :class:`CheckpointError` naming the file before anything changes if the
+    checkpoint is damaged or does not fit.
+    """
+    optimizers = optimizer_list(optimizer)
+    return load_into(path, module, optimizers, strict=strict, load_optimizer_states=bool(optimizers))
+
+
+def load_into(
+    path: str | os.PathLike[str],
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    *,
+    strict: bool = True,
+    load_optimizer_states: bool = True,
+    weights_only: bool | None = None,
+    required: Collection[str] = (),
+) -> dict[str, Any]:
+    """The loader behind the strategies: dispatch on the format, validate everything, then apply.
+
+    Returns the checkpoint dict without ``state_dict`` / ``optimizer_states``. Entries named in
+    ``required`` must be in it: a ``KeyError`` before anything is applied otherwise.
+    """
+    if Path(path).is_dir() or (
+        not Path(path).exists() and Path(path).parent.joinpath(f".{Path(path).name}.flatshard-old").is_dir()
+    ):
+        return load_sharded(Path(path), module, optimizers, strict, load_optimizer_states, required)
+    return _load_full(Path(path), module, optimizers, strict, load_optimizer_states, weights_only, required)
+
+
+def _load_full(
+    path: Path,
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    strict: bool,
+    with_optim: bool,
+    weights_only: bool | None,
+    required: Collection[str],
+) -> dict[str, Any]:
+    error: BaseException | None = None
+    checkpoint: dict[str, Any] = {}
+    local_optim: list[dict[str, Any]] = []
+    try:
+        checkpoint = load_checkpoint_file(path, weights_only=weights_only)
+        if "state_dict" not in checkpoint:
+            raise CheckpointError(
+                f"Checkpoint {path} has no 'state_dict' entry (keys: {sorted(checkpoint)[:8]}). HINT: pass a "
+                "checkpoint written by Trainer.save_checkpoint or flatshard.save_checkpoint."
+            )
+        if with_optim:
+            states = checkpoint.get("optimizer_states")
+            check_optimizer_count(path, None if states is None else len(states), optimizers)
+        check_full_model_state_dict(module, checkpoint["state_dict"], strict=strict, source=str(path))
+        if with_optim:
+            local_optim = [
+                convert_full_optim_state_dict(module, opt, st, source=f"{path} (optimizer #{i})")
+                for i, (opt, st) in enumerate(zip(optimizers, checkpoint["optimizer_states"], strict=True))
+            ]
+    except (CheckpointError, FileNotFoundError) as err:
+        error = err
+    except ValueError as err:
+        error = CheckpointError(str(err))
+    agree_on_error(error)
+    extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    check_required(path, extra, required)
+    load_full_model_state_dict(module, checkpoint["state_dict"], strict=strict, source=str(path))
+    for opt, local in zip(optimizers, local_optim):
+        opt.load_state_dict(local)
+    return extra

@@ -1,0 +1,234 @@
+"""Loading a sharded checkpoint directory into a sharded module on any world size.
+
+Each rank reads only what it holds: its piece of every parameter it manages (see [Note: sharded checkpoint
+layout] in ``flatshard.checkpoint.sharded``) and whole tensors of what is replicated here. Everything is
+validated (keys, shapes, optimizer groups) on every rank, and the ranks agree, before anything is applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from flatshard.checkpoint.files import CheckpointError
+from flatshard.checkpoint.sharded import OBJECT, ShardedReader
+from flatshard.checkpoint.validate import agree_on_error, check_optimizer_count, check_required
+from flatshard.engine import (
+    ParamShard,
+    local_param_targets,
+    param_shard,
+    parameter_names,
+    prepare_for_state_io,
+    to_local_model_state,
+    to_local_optim_state,
+)
+
+__all__ = ["load_sharded"]
+
+
+def _model_targets(
+    reader: ShardedReader, module: nn.Module, strict: bool
+) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """DCP targets for the model: fqn -> ParamShard / tensor / OBJECT, and fqn -> the state-dict keys it fills."""
+    meta = reader.meta
+    saved_keys = meta.get("model_keys")
+    if saved_keys is None:
+        raise CheckpointError(f"Sharded checkpoint {reader.path} holds no model state ('state_dict').")
+    aliases: dict[str, str] = meta.get("aliases", {})
+    own = module.state_dict(keep_vars=True)
+    missing = [k for k in own if k not in set(saved_keys)]
+    unexpected = [k for k in saved_keys if k not in own]
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"Sharded checkpoint {reader.path} does not match {type(module).__name__}: missing keys "
+            f"{missing[:8]} ({len(missing)}), unexpected keys {unexpected[:8]} ({len(unexpected)}). HINT: load a "
+            "checkpoint of the same model architecture, or pass strict=False. Nothing was loaded."
+        )
+    live = local_param_targets(module)
+    targets: dict[str, Any] = {}
+    keys: dict[str, list[str]] = {}
+    problems = []
+    for key, value in own.items():
+        if key not in set(saved_keys):
+            continue
+        fqn = "model/" + aliases.get(key, key)
+        if reader.is_object(fqn):
+            targets[fqn] = OBJECT
+            keys.setdefault(fqn, []).append(key)
+            continue
+        if reader.tensor_meta(fqn) is None:
+            problems.append(f"{key!r} has no data in the checkpoint")
+            continue
+        if not isinstance(value, torch.Tensor):
+            problems.append(f"{key!r} is a tensor in the checkpoint but not in the model")
+            continue
+        tensor, shard = live[key]
+        full_shape = shard.shape if shard is not None else tensor.shape
+        saved_shape = reader.full_shape(fqn)
+        if saved_shape != full_shape:
+            problems.append(
+                f"{key!r} has shape {tuple(saved_shape)} in the checkpoint, {tuple(full_shape)} in the model"
+            )
+            continue
+        if fqn not in targets:
+            targets[fqn] = _target(reader, fqn, shard, full_shape, tensor.dtype, tensor.device)
+        keys.setdefault(fqn, []).append(key)
+    if problems:
+        raise CheckpointError(
+            f"Sharded checkpoint {reader.path} does not match {type(module).__name__}: {'; '.join(problems[:8])}"
+            f"{' ...' if len(problems) > 8 else ''}. HINT: load a checkpoint of the same model architecture. "
+            "Nothing was loaded."
+        )
+    return targets, keys
+
+
+def _target(
+    reader: ShardedReader,
+    fqn: str,
+    shard: ParamShard | None,
+    full_shape: torch.Size,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Any:
+    """Where to read ``fqn``: this rank's piece (managed here) or the whole tensor (replicated here)."""
+    numel = 1
+    for d in full_shape:
+        numel *= d
+    if reader.is_piece(fqn):
+        if shard is not None:
+            return ParamShard(
+                torch.empty(shard.local.numel(), dtype=dtype, device=device), shard.offset, full_shape
+            )
+        return ParamShard(torch.empty(numel, dtype=dtype, device=device), 0, full_shape)
+    return torch.empty(full_shape, dtype=dtype, device=device)
+
+
+def _finish_piece(value: Any, shard: ParamShard | None) -> Any:
+    """A read target in the form this rank holds: its 1-D piece (managed here) or the whole tensor.
+
+    A whole tensor of the parameter's full shape (the writer did not shard it) is cut to this rank's piece;
+    anything else (``step``, buffers) is returned as read.
+    """
+    if isinstance(value, ParamShard):
+        return value if shard is not None else value.local.view(value.shape)
+    if (
+        shard is not None
+        and isinstance(value, torch.Tensor)
+        and value.dim() > 0
+        and value.shape == shard.shape
+    ):
+        flat = value.reshape(-1)[shard.offset : shard.offset + shard.local.numel()]
+        return ParamShard(flat, shard.offset, shard.shape)
+    return value
+
+
+def _optim_targets(
+    reader: ShardedReader,
+    module: nn.Module,
+    k: int,
+    optimizer: torch.optim.Optimizer,
+    groups: list[dict[str, Any]],
+) -> tuple[dict[str, Any], dict[str, tuple[str, str, ParamShard | None]]]:
+    names = parameter_names(module)
+    prefix = f"optim/{k}/state/"
+    by_param: dict[str, list[str]] = {}
+    for fqn in reader.keys_with_prefix(prefix):
+        owner = fqn[len(prefix) :].rpartition("/")[0]
+        by_param.setdefault(owner, []).append(fqn)
+    targets: dict[str, Any] = {}
+    where: dict[str, tuple[str, str, ParamShard | None]] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in names:
+                continue  # reported by to_local_optim_state's checks
+            name = names[id(p)]
+            shard = param_shard(p)
+            full_shape = shard.shape if shard is not None else p.shape
+            for fqn in by_param.get(name, []):
+                key = fqn[len(prefix) + len(name) + 1 :]
+                where[fqn] = (name, key, shard)
+                if reader.is_object(fqn):
+                    targets[fqn] = OBJECT
+                    continue
+                md = reader.tensor_meta(fqn)
+                assert md is not None
+                if reader.is_piece(fqn):
+                    if reader.full_shape(fqn) != full_shape:
+                        raise CheckpointError(
+                            f"Sharded checkpoint {reader.path}: optimizer #{k} state {key!r} of {name!r} has shape "
+                            f"{tuple(reader.full_shape(fqn))}, the parameter {tuple(full_shape)}. HINT: the checkpoint "
+                            "belongs to another model. Nothing was loaded."
+                        )
+                    targets[fqn] = _target(reader, fqn, shard, full_shape, md.properties.dtype, p.device)
+                else:
+                    targets[fqn] = torch.empty(md.size, dtype=md.properties.dtype, device="cpu")
+    return targets, where
+
+
+def load_sharded(
+    path: Path,
+    module: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    strict: bool,
+    with_optim: bool,
+    required: Collection[str],
+) -> dict[str, Any]:
+    error: BaseException | None = None
+    reader: ShardedReader | None = None
+    targets: dict[str, Any] = {}
+    model_keys: dict[str, list[str]] = {}
+    optim_where: list[dict[str, tuple[str, str, ParamShard | None]]] = []
+    groups: list[list[dict[str, Any]]] = []
+    try:
+        prepare_for_state_io(module, "load_checkpoint")
+        reader = ShardedReader(path)
+        targets, model_keys = _model_targets(reader, module, strict)
+        if with_optim:
+            check_optimizer_count(path, reader.meta.get("num_optimizers"), optimizers)
+            saved_groups = reader.read_objects([f"optim/{k}/groups" for k in range(len(optimizers))])
+            for k, opt in enumerate(optimizers):
+                groups.append(saved_groups[f"optim/{k}/groups"])
+                # validate the groups now (with empty state) so nothing is read for a mismatched optimizer
+                to_local_optim_state(
+                    module, opt, {"state": {}, "param_groups": groups[k]}, source=f"{path} (optimizer #{k})"
+                )
+                more, where = _optim_targets(reader, module, k, opt, groups[k])
+                targets.update(more)
+                optim_where.append(where)
+        targets["extra"] = OBJECT
+    except (CheckpointError, FileNotFoundError) as err:
+        error = err
+    except ValueError as err:
+        error = CheckpointError(str(err))
+    agree_on_error(error)
+    assert reader is not None
+    objects = reader.read(targets)
+    extra = objects.get("extra", {})
+    extra = dict(extra) if isinstance(extra, Mapping) else {}
+    check_required(path, extra, required)
+    # Apply: every value is in memory and checked; from here on nothing can fail for a data reason.
+    live = local_param_targets(module)
+    model_state: dict[str, Any] = {}
+    for fqn, fills in model_keys.items():
+        for key in fills:
+            if targets[fqn] is OBJECT:
+                model_state[key] = objects[fqn]
+            else:
+                model_state[key] = _finish_piece(targets[fqn], live[key][1])
+    with torch.no_grad():
+        module.load_state_dict(to_local_model_state(module, model_state), strict=False)
+    for k, opt in enumerate(optimizers if with_optim else []):
+        state: dict[str, dict[str, Any]] = {}
+        for fqn, (name, key, shard) in optim_where[k].items():
+            value = objects[fqn] if targets[fqn] is OBJECT else _finish_piece(targets[fqn], shard)
+            state.setdefault(name, {})[key] = value
+        opt.load_state_dict(
+            to_local_optim_state(
+                module, opt, {"state": state, "param_groups": groups[k]}, source=f"{path}", copy=False
+            )
+        )
+    return extra

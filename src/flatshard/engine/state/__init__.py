@@ -1,0 +1,11 @@
+"""Model and optimizer state of a sharded module: full (gathered, original names and shapes) and sharded
+(each rank's pieces), and the unsharded view of the parameters.
+
+- ``state_dict``: :func:`get_state_dict` / :func:`set_state_dict`, the user-facing pair.
+- ``full_model``: the full model state dict (gather to rank 0, validate, load slice by slice).
+- ``full_optim``: the full optimizer state in the plain optimizer's format, both ways.
+- ``optim_binding``: pointing optimizers at sharded parameters (by name), shapes for ``configure_optimizers``.
+- ``sharded``: each rank's pieces (:class:`ParamShard`) for sharded checkpoints, and loading them back.
+- ``stream_gather``: the chunked gather to rank 0 behind every full state dict.
+- ``unshard_params``: the context manager that shows full parameters (all ranks or rank 0 alone).
+"""
