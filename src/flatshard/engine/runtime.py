@@ -30,6 +30,16 @@ during it the root tracks every parameter (``ForwardCall.track_frozen``) and gra
 parameters that require grad when the backward ends: a frozen parameter held by the root costs a gradient
 computation there.
 
+[Note: forward inside unshard_params]
+Inside ``flatshard.unshard_params`` every original Parameter's data is its full tensor and the modules hold
+the Parameters themselves (see [Note: unshard_params]), so a forward needs nothing from the hooks: they let
+it run as the plain module would, with no gather, no collective and no change to the execution order or the
+training state. That is what generation, evaluation or export on a sharded model wants: on every rank, or
+with ``rank0_only=True`` on rank 0 alone while the others hold only their shards (their forward is refused
+with a hint, since they have nothing to compute with). A backward through such a forward is refused when it
+reaches a unit's output: the full parameters are temporary buffers, and their gradients would reach no
+shard.
+
 [Note: calls routed through a root's forward]
 A caller may run something other than a module forward through a root's hooks (Lightning runs
 ``training_step`` as the root's forward, so the root gathers around the step). How such a call behaves is
@@ -65,6 +75,7 @@ from flatshard.engine.transport.streams import CommContext
 __all__ = [
     "ForwardCall",
     "RootContext",
+    "Summoned",
     "TrainingState",
     "UnitState",
     "begin_backward_in_forward",
@@ -81,6 +92,14 @@ STATE_ATTR = "_flatshard_state"
 # finished before the next unit's gradient is taken, so one unsharded gradient is alive at a time; each
 # more in flight would keep another alive.
 _MAX_PENDING_REDUCTIONS = 1
+
+
+class Summoned(enum.Enum):
+    """Whether a unit is inside ``flatshard.unshard_params``, and what this rank holds there."""
+
+    NO = "no"  # not inside: forward gathers as usual
+    FULL = "full"  # full parameters on the modules: forward runs on them, without hooks' work or collectives
+    SHARDS_ONLY = "shards_only"  # rank0_only on another rank: this rank keeps its pieces, forward is refused
 
 
 class TrainingState(enum.Enum):
@@ -211,7 +230,7 @@ class UnitState:
         self.strategy = options.sharding_strategy
         self.training_state = TrainingState.IDLE
         self.forward_depth = 0
-        self.summoned = False  # inside flatshard.unshard_params: parameters are full, forward is refused
+        self.summoned = Summoned.NO  # inside flatshard.unshard_params: see [Note: forward inside unshard_params]
         self.call = _PLAIN_FORWARD  # how the current call through this unit's hooks runs (forward_call)
         self.recompute_inside = False  # a checkpointed module's parameters belong to this unit
         self._recomputing = False  # this forward is a recomputation inside backward
@@ -245,11 +264,9 @@ class UnitState:
 
     # ------------------------------------------------------------------ forward
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        if self.summoned:
-            raise RuntimeError(
-                f"{_rank_prefix()}{type(self.module).__name__}.forward was called inside flatshard.unshard_params. "
-                "HINT: leave the unshard_params context before running forward or backward."
-            )
+        if self.summoned is not Summoned.NO:  # see [Note: forward inside unshard_params]
+            self._check_summoned_forward()
+            return args, kwargs
         if self.forward_depth == 0:
             ctx = self.ctx
             if ctx is None or (
@@ -294,7 +311,11 @@ class UnitState:
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if self.summoned:  # the pre-forward hook refused this forward (always_call runs us anyway)
+        if self.summoned is not Summoned.NO:  # see [Note: forward inside unshard_params]
+            if torch.is_grad_enabled():
+                for t in tree_flatten(output)[0]:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(self._refuse_backward)
             return output
         self.forward_depth -= 1
         if self.forward_depth > 0:
@@ -318,6 +339,21 @@ class UnitState:
         if self.is_root:
             ctx.order.finish_forward()
         return output
+
+    def _check_summoned_forward(self) -> None:
+        if self.summoned is Summoned.SHARDS_ONLY:
+            raise RuntimeError(
+                f"{_rank_prefix()}{type(self.module).__name__}.forward was called inside "
+                "flatshard.unshard_params(rank0_only=True) on a rank that holds only its shards. HINT: run the "
+                "forward on rank 0 alone (if global_rank == 0: ...), or unshard on every rank (rank0_only=False)."
+            )
+
+    def _refuse_backward(self, grad: torch.Tensor) -> None:
+        raise RuntimeError(
+            f"{_rank_prefix()}backward through {type(self.module).__name__} was called on a forward run inside "
+            "flatshard.unshard_params: the full parameters there are temporary, their gradients would reach no "
+            "shard. HINT: leave the unshard_params context to train; inside it run forward under torch.no_grad()."
+        )
 
     def resume_forward(self) -> None:
         """After a backward that ran inside this unit's forward: stay gathered, with fresh autograd views,

@@ -53,6 +53,7 @@ from flatshard.lightning.metrics import move_metrics
 from flatshard.lightning.options import StrategyOptions
 from flatshard.lightning.precision import FlatShardPrecision, mixed_precision_for, to_flatshard_precision
 from flatshard.lightning.step_modes import StepModes
+from flatshard.lightning.summary import count_full_parameters
 from flatshard.strategy_names import register_names
 
 if TYPE_CHECKING:
@@ -263,6 +264,7 @@ class FlatShardStrategy(ParallelStrategy):
         if early:
             self.setup_optimizers(trainer)
         self.model = self._setup_model(self.model)
+        count_full_parameters(trainer)  # ModelSummary shows the model's sizes, not this rank's shards
         self.barrier()
         if early:
             try:

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from flatshard.engine.handle import FlatParamHandle, handle_of_param
 from flatshard.engine.precision import original_buffer_dtypes
-from flatshard.engine.runtime import TrainingState, UnitState
+from flatshard.engine.runtime import Summoned, TrainingState, UnitState
 from flatshard.engine.shard import unit_states
 from flatshard.engine.state.stream_gather import GatherItem, gather_items
 from flatshard.engine.transport import comm
@@ -44,7 +44,7 @@ def prepare_for_state_io(module: nn.Module, what: str) -> list[UnitState]:
             f"{what}: {type(module).__name__} is not sharded. HINT: call flatshard.shard() first."
         )
     for s in states:
-        if s.summoned:
+        if s.summoned is not Summoned.NO:
             raise RuntimeError(
                 f"{what} was called inside flatshard.unshard_params of {type(s.module).__name__}. HINT: call it "
                 "after leaving the unshard_params context."

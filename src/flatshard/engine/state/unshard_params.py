@@ -6,8 +6,9 @@ flat parameter (a fresh buffer, so nothing a collective or the optimizer owns is
 ``writeback`` each rank copies its own slice back into its shard; with ``rank0_only`` only rank 0 of
 each unit's shard group held the full parameters, so on exit its flat parameter is broadcast one unit at
 a time, each rank keeps its slice and the buffer is freed: the other ranks never hold more than one
-unit unsharded. Replicas (NO_SHARD) then take the shard of replica 0. Forward, backward and the state
-functions raise inside the context.
+unit unsharded. Replicas (NO_SHARD) then take the shard of replica 0. A forward inside runs on the full
+parameters with no collective (see [Note: forward inside unshard_params]); backward and the state functions
+raise inside the context.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.nn as nn
 
 from flatshard.engine.flat_param import split_flat
 from flatshard.engine.handle import FlatParamHandle
-from flatshard.engine.runtime import UnitState, get_unit_state
+from flatshard.engine.runtime import Summoned, UnitState, get_unit_state
 from flatshard.engine.state.full_model import gather_full_flat, prepare_for_state_io
 from flatshard.engine.transport import comm
 
@@ -155,7 +156,8 @@ def unshard_params(
 ) -> Iterator[None]:
     """Expose full parameters on a sharded module's Parameters; call on every rank, between steps.
 
-    See [Note: unshard_params].
+    See [Note: unshard_params]. A forward inside runs on the full parameters without collectives, on every
+    rank or, with ``rank0_only``, on rank 0 alone (generation, evaluation, export); backward is refused.
 
     Args:
         module: a module sharded with ``flatshard.shard`` (or a unit inside one).
@@ -179,11 +181,13 @@ def unshard_params(
         states = [own]
     done: list[_Unsharded] = []
     for s in states:
-        s.summoned = True
+        s.summoned = Summoned.FULL
     try:
         for s in states:
             if s.handle is not None:
                 done.append(_enter(s.handle, rank0_only, offload_to_cpu, with_grads))
+                if done[-1].full is None:
+                    s.summoned = Summoned.SHARDS_ONLY
         yield
     finally:
         try:
@@ -191,4 +195,4 @@ def unshard_params(
                 _exit(u, writeback, rank0_only)
         finally:
             for s in states:
-                s.summoned = False
+                s.summoned = Summoned.NO
