@@ -6,7 +6,8 @@ submodule. Layout (see ``docs/concepts.md`` for a map by question):
 
 - the runtime core: ``config`` (options), ``shard`` (the entry point), ``wrap`` (unit planning),
   ``materialize``, ``process_groups``, ``precision``, ``activation_checkpointing``, ``flat_param`` (index
-  math), ``handle`` (one unit's flat parameter), ``runtime`` (hooks), ``exec_order``, ``clip``;
+  math), ``handle`` (one unit's flat parameter), ``runtime`` (hooks), ``forward_methods`` (methods other
+  than forward that gather), ``exec_order``, ``clip``;
 - ``transport/``: collectives, the shared-memory transport, memory blocks, streams, the limiter;
 - ``state/``: full and sharded model / optimizer state, the streamed gather, ``unshard_params``.
 """
@@ -21,6 +22,7 @@ from flatshard.engine.config import (
     ShardingStrategy,
     ShardOptions,
 )
+from flatshard.engine.forward_methods import is_forward_method, register_forward_method, register_generate
 from flatshard.engine.runtime import ForwardCall, begin_backward_in_forward, forward_call, regather_in_forward
 from flatshard.engine.shard import is_sharded, no_sync, shard, unit_states
 from flatshard.engine.state.full_model import (
@@ -71,6 +73,7 @@ __all__ = [
     "full_optim_state_dict",
     "get_state_dict",
     "global_rank",
+    "is_forward_method",
     "is_sharded",
     "load_full_model_state_dict",
     "load_full_optim_state_dict",
@@ -83,6 +86,8 @@ __all__ = [
     "prepare_for_state_io",
     "rebind_optimizer",
     "regather_in_forward",
+    "register_forward_method",
+    "register_generate",
     "set_state_dict",
     "shard",
     "sharded_model_state_dict",

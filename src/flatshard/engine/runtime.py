@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -78,6 +79,7 @@ __all__ = [
     "Summoned",
     "TrainingState",
     "UnitState",
+    "all_units",
     "begin_backward_in_forward",
     "forward_call",
     "get_unit_state",
@@ -87,6 +89,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 STATE_ATTR = "_flatshard_state"
+_UNITS: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every unit's module (see all_units)
 
 # Gradient reductions in flight while a unit's backward runs: one overlaps the next unit's backward. It is
 # finished before the next unit's gradient is taken, so one unsharded gradient is alive at a time; each
@@ -135,6 +138,15 @@ class RootContext:
         """
         if state is not None and state.training_state is not TrainingState.BACKWARD:
             self.unshard(state)
+
+    def reshard_deferred(self) -> None:
+        """Reshard the units a registered method call kept gathered (see [Note: methods other than forward])."""
+        for state in self.states:
+            if not state.deferred_reshard:
+                continue
+            state.deferred_reshard = False
+            if state.handle is not None and state.forward_depth == 0:
+                state.handle.reshard(self.streams, self.limiter)
 
     def finish_oldest_reduction(self) -> None:
         handle, inflight = self.pending.popleft()
@@ -211,10 +223,18 @@ class ForwardCall:
             optimization's ``toggle_optimizer``): give every parameter an autograd view, so gradients reach
             whichever require grad when the backward ends (see [Note: backward inside a forward]).
             Default: ``False``.
+        method: the call is a registered method, not the module's forward (see [Note: methods other than
+            forward]): the forwards inside it are not recorded in the execution order and prefetch nothing.
+            Default: ``False``.
+        keep_gathered: with ``method``, units gathered by forwards inside the call stay gathered until it
+            returns instead of resharding after each forward (a decode loop gathers each unit once).
+            Default: ``False``.
     """
 
     cast_inputs: bool = True
     track_frozen: bool = False
+    method: bool = False
+    keep_gathered: bool = False
 
 
 _PLAIN_FORWARD = ForwardCall()
@@ -232,6 +252,8 @@ class UnitState:
         self.forward_depth = 0
         self.summoned = Summoned.NO  # inside flatshard.unshard_params: see [Note: forward inside unshard_params]
         self.call = _PLAIN_FORWARD  # how the current call through this unit's hooks runs (forward_call)
+        _UNITS.add(module)
+        self.deferred_reshard = False  # kept gathered by a registered method call (ForwardCall.keep_gathered)
         self.recompute_inside = False  # a checkpointed module's parameters belong to this unit
         self._recomputing = False  # this forward is a recomputation inside backward
         self.ctx: RootContext | None = None
@@ -286,18 +308,20 @@ class UnitState:
         # activation checkpointing]): gather if needed, but leave the order and the state machine alone.
         in_backward = ctx.callback_queued
         self._recomputing = in_backward
+        tracked = not in_backward and not ctx.root.call.method  # see [Note: methods other than forward]
         if self.is_root:
             ctx.streams.refresh_compute()
-            if not in_backward:
+            if tracked:
                 ctx.order.begin_forward()
-        if not in_backward:
+        if tracked:
             ctx.order.note_pre_forward(self)
+        if not in_backward:
             self.training_state = TrainingState.FORWARD
         if self.handle is not None:
             if not in_backward:
                 self.handle.refresh_requires_grad(self.call.track_frozen)
             ctx.unshard(self)
-            if self.options.forward_prefetch and not in_backward:
+            if self.options.forward_prefetch and tracked:
                 ctx.unshard(ctx.order.next_forward(self))  # overlaps this unit's compute
             self.handle.wait_unshard(ctx.streams)
             self.handle.use_unsharded_views()
@@ -325,7 +349,9 @@ class UnitState:
         if self._recomputing:  # inside backward: stay gathered for the gradient computation that follows
             self._recomputing = False
             return output
-        ctx.order.note_post_forward(self)
+        method = ctx.root.call
+        if not method.method:
+            ctx.order.note_post_forward(self)
         self.training_state = TrainingState.IDLE
         grad_outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if torch.is_grad_enabled() and grad_outputs:
@@ -334,9 +360,11 @@ class UnitState:
             keep = self.is_root or not self.strategy.reshard_after_forward
         else:
             keep = False
+        if not keep and method.keep_gathered and not self.is_root and self.handle is not None:
+            self.deferred_reshard = keep = True  # until the method returns: see [Note: methods other than forward]
         if self.handle is not None and not keep:
             self.handle.reshard(ctx.streams, ctx.limiter)
-        if self.is_root:
+        if self.is_root and not method.method:
             ctx.order.finish_forward()
         return output
 
@@ -433,6 +461,11 @@ class UnitState:
             handle.reshard(ctx.streams, ctx.limiter)
         if self.options.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             ctx.prefetch_backward(ctx.order.next_backward(self))
+
+
+def all_units() -> list[nn.Module]:
+    """Every module that is a unit, in this process (weakly held: a dropped model leaves the list)."""
+    return list(_UNITS)
 
 
 def get_unit_state(module: nn.Module) -> UnitState | None:

@@ -54,6 +54,7 @@ from flatshard.engine import (
     no_sync,
     parameter_names,
     rebind_optimizer,
+    register_generate,
     shard,
     sharded_model_state_dict,
     sharded_optim_state_dict,
@@ -229,6 +230,8 @@ class FlatShardFabricStrategy(ParallelStrategy):
                 self.num_nodes * self.num_processes,
             )
             shard(module, options)
+        if generate := register_generate(module):  # see [Note: methods other than forward]
+            log.debug("flatshard: generate() registered to gather on %s", generate)
         self._sharded_modules.append(module)
         return module
 

@@ -37,6 +37,7 @@ from flatshard.engine import (
     original_shapes,
     parameter_names,
     rebind_optimizer,
+    register_generate,
     shard,
     sharded_model_state_dict,
     sharded_optim_state_dict,
@@ -290,6 +291,8 @@ class FlatShardStrategy(ParallelStrategy):
                 self.root_device, config, self.num_processes, self.num_nodes * self.num_processes
             )
             shard(model, options)
+        if generate := register_generate(model):  # see [Note: methods other than forward]
+            log.debug("flatshard: generate() registered to gather on %s", generate)
         return model
 
     @contextmanager

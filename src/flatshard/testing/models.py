@@ -55,6 +55,14 @@ class TinyGPT(nn.Module):
             h = blk(h)
         return self.head(self.ln_f(h))  # type: ignore[no-any-return]
 
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy decoding, one forward per new token (like a Hugging Face model's ``generate``)."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.wpe.num_embeddings :])
+            idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        return idx
+
     def loss(self, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         logits = self(idx)
         return F.cross_entropy(logits.flatten(0, 1), target.flatten())
