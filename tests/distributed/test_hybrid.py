@@ -4,7 +4,9 @@ the groups, what crosses the replicate group, validation, and checkpoints that l
 from __future__ import annotations
 
 import copy
+import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -23,15 +25,18 @@ STEPS = 3
 
 
 def _groups(how: str) -> dict[str, object]:
-    if how == "size":
-        return {"shard_group_size": 2}
-    if how == "tuple":
-        return {"process_group": hybrid_groups(2)}
-    if how == "mesh":
+    """``size``/``tuple``/``mesh``/``env`` give 2 shard groups of 2; a suffix ``k`` gives groups of ``k``."""
+    k = int(re.sub(r"\D", "", how) or 2)
+    if how.startswith("size"):
+        return {"shard_group_size": k}
+    if how.startswith("tuple"):
+        return {"process_group": hybrid_groups(k)}
+    if how.startswith("mesh"):
         from torch.distributed.device_mesh import init_device_mesh
 
-        return {"process_group": init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))}
-    os.environ["LOCAL_WORLD_SIZE"] = "2"  # what a launcher sets: shard within a "node" of 2 ranks
+        shape = (dist.get_world_size() // k, k)
+        return {"process_group": init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))}
+    os.environ["LOCAL_WORLD_SIZE"] = str(k)  # what a launcher sets: shard within a "node" of k ranks
     return {}
 
 
@@ -95,6 +100,47 @@ def _parity(rank: int, world: int, tmp: str) -> dict[str, object]:
     return out
 
 
+def _one_node(rank: int, world: int) -> dict[str, object]:
+    """Hybrid configs with one group on a side run as FULL_SHARD / SHARD_GRAD_OP / NO_SHARD would."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("flatshard.engine.process_groups")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    out: dict[str, object] = {}
+    for strategy, how, shard_world, replicate_world in (
+        ("HYBRID_SHARD", "env4", 4, 1),  # one node of 4: the default group size is the node
+        ("HYBRID_SHARD_ZERO2", "size4", 4, 1),
+        ("HYBRID_SHARD", "mesh4", 4, 1),  # a (1, 4) mesh
+        ("HYBRID_SHARD", "size1", 1, 4),
+    ):
+        worst, _, model, _ = _train(rank, world, strategy, how)
+        handles = [s.handle for s in unit_states(model) if s.handle is not None]
+        out[f"{strategy}/{how}"] = worst
+        out[f"{strategy}/{how}/groups"] = all(
+            h.shard_world == shard_world and h.replicate_world == replicate_world for h in handles
+        )
+        out[f"{strategy}/{how}/reshards"] = all(
+            (s.strategy.reshard_after_forward == (strategy == "HYBRID_SHARD")) for s in unit_states(model)
+        )
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    out["logged"] = records
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_hybrid_on_one_node_runs_as_full_shard_or_no_shard() -> None:
+    for r in spawn(_one_node, 4):
+        logged = r.pop("logged")
+        assert any("runs as FULL_SHARD" in m for m in logged), logged
+        assert any("runs as SHARD_GRAD_OP" in m for m in logged), logged
+        assert any("as under NO_SHARD" in m for m in logged), logged
+        assert len(logged) == 3, logged  # once per layout
+        for key, value in r.items():
+            assert value is True if key.endswith(("/groups", "/reshards")) else value <= 1e-5, (key, r)
+
+
 def _load_elsewhere(rank: int, world: int, tmp: str, strategy: str) -> float:
     expected = torch.load(os.path.join(tmp, "expected_0.pt"))
     kwargs: dict[str, object] = {"sharding_strategy": strategy}
@@ -147,8 +193,7 @@ def _validation(rank: int, world: int) -> dict[str, str]:
     out: dict[str, str] = {}
     for name, kwargs in (
         ("not_divisible", {"shard_group_size": 3}),
-        ("one_replica", {"shard_group_size": 4}),
-        ("one_rank_groups", {"shard_group_size": 1}),
+        ("larger_than_world", {"shard_group_size": 8}),
         ("flat_group", {"process_group": dist.group.WORLD}),
         ("non_hybrid_size", {"sharding_strategy": "FULL_SHARD", "shard_group_size": 2}),
     ):
@@ -189,8 +234,7 @@ def test_hybrid_validation_and_sync_module_states() -> None:
     assert all(r["synced"] == "True" for r in results), results
     r = results[0]
     assert "does not divide the world size 4" in r["not_divisible"]
-    assert "one replica" in r["one_replica"] and "FULL_SHARD" in r["one_replica"]
-    assert "nothing would be sharded" in r["one_rank_groups"]
+    assert "shard_group_size=8 does not divide the world size 4" in r["larger_than_world"]
     assert "(shard_group, replicate_group) tuple" in r["flat_group"]
     assert "only applies to HYBRID_SHARD" in r["non_hybrid_size"]
     assert "LOCAL_WORLD_SIZE" in r["no_local_size"]

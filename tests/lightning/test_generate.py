@@ -1,9 +1,11 @@
 """``model.generate()`` under the Trainer and Fabric strategies: registered automatically on the submodules
-that define it, so it works in callback hooks, inside steps, after ``fit`` and in a Fabric loop, on all ranks,
-and gives what the same model trained under DDP generates."""
+that define it, so it works in callback hooks, inside steps, after ``fit`` and in a Fabric loop, on all ranks;
+inside ``unshard_params`` on every rank or on rank 0 alone. Each gives what the same model trained under DDP
+generates."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -11,6 +13,7 @@ import torch.nn.functional as F
 from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import Callback
 
+import flatshard
 from flatshard.testing import spawn
 from flatshard.testing.models import TinyGPT, make_batch
 
@@ -47,13 +50,26 @@ def _fit(rank: int, world: int, strategy: str) -> dict[str, list[list[int]]]:
     loader = make_loader(2, 4, world)
     trainer.fit(module, loader, val_dataloaders=make_loader(1, 4, world))
     module.samples["after_fit"] = module.model.generate(_prompt(), NEW_TOKENS)
+    sharded = strategy != "ddp"
+    with flatshard.unshard_params(module, writeback=False) if sharded else nullcontext():
+        module.samples["unshard_params"] = module.model.generate(_prompt(), NEW_TOKENS)
+    with flatshard.unshard_params(module, rank0_only=True, writeback=False) if sharded else nullcontext():
+        if rank == 0:
+            module.samples["rank0_only"] = module.model.generate(_prompt(), NEW_TOKENS)
     return {k: v.tolist() for k, v in module.samples.items()}
 
 
 def test_generate_in_hooks_steps_and_after_fit_matches_ddp() -> None:
     ours = spawn(_fit, 2, "flatshard")
     ddp = spawn(_fit, 2, "ddp")
-    assert set(ours[0]) == {"validation_step", "on_validation_epoch_end", "on_train_end", "after_fit"}
+    assert set(ours[0]) == {
+        "validation_step",
+        "on_validation_epoch_end",
+        "on_train_end",
+        "after_fit",
+        "unshard_params",
+        "rank0_only",
+    }
     for rank in range(2):
         assert ours[rank] == ddp[rank], (rank, ours[rank], ddp[rank])
 

@@ -69,3 +69,49 @@ def test_hybrid_through_the_trainer_matches_ddp(tmp_path: Any) -> None:
         ckpt = load_ckpt(tmp_path / f"{name}.ckpt")
         assert_same_weights(ckpt["state_dict"], ddp["state_dict"], f"{name} vs ddp")
         assert_same_optimizer_state(ckpt["optimizer_states"][0], ddp["optimizer_states"][0], f"{name} vs ddp")
+
+
+ONE_NODE: dict[str, Any] = {
+    "ddp": lambda: "ddp",
+    "hybrid": lambda: "flatshard_hybrid",  # one node of 4 devices: the default shard group is the node
+    "hybrid_zero2": lambda: flatshard.FlatShardStrategy(
+        sharding_strategy="HYBRID_SHARD_ZERO2", auto_wrap_policy={Block}
+    ),
+    "hybrid_one_rank_groups": lambda: flatshard.FlatShardStrategy(
+        sharding_strategy="HYBRID_SHARD", auto_wrap_policy={Block}, shard_group_size=1
+    ),
+}
+
+
+def _train_one_node(rank: int, world: int, out_dir: str) -> dict[str, Any]:
+    os.environ.update({"NODE_RANK": "0", "LOCAL_RANK": str(rank)})
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    results: dict[str, Any] = {}
+    for name, make in ONE_NODE.items():
+        model = LitGPT()
+        recorder = LossRecorder()
+        trainer = make_trainer(world, make(), max_epochs=1, callbacks=[recorder])
+        trainer.fit(model, make_loader(STEPS, 2 * world, world))
+        trainer.save_checkpoint(os.path.join(out_dir, f"one_node_{name}.ckpt"))
+        info: dict[str, Any] = {"losses": recorder.losses}
+        if name != "ddp":
+            handles = [s.handle for s in unit_states(model) if s.handle is not None]
+            info["groups"] = sorted({(h.shard_world, h.replicate_world) for h in handles})
+        results[name] = info
+    return results
+
+
+@pytest.mark.timeout(600)
+def test_hybrid_on_one_node_matches_ddp(tmp_path: Any) -> None:
+    """The config a user runs on many nodes runs on one: as FULL_SHARD / SHARD_GRAD_OP, or NO_SHARD."""
+    ranks = spawn(_train_one_node, 4, str(tmp_path))
+    ddp = load_ckpt(tmp_path / "one_node_ddp.ckpt")
+    expected_groups = {"hybrid": [(4, 1)], "hybrid_zero2": [(4, 1)], "hybrid_one_rank_groups": [(1, 4)]}
+    for name, groups in expected_groups.items():
+        for r in ranks:
+            assert r[name]["groups"] == groups, (name, r[name]["groups"])
+            for a, b in zip(r[name]["losses"], ranks[0]["ddp"]["losses"], strict=True):
+                assert abs(a - b) <= 1e-5, (name, r[name]["losses"], ranks[0]["ddp"]["losses"])
+        ckpt = load_ckpt(tmp_path / f"one_node_{name}.ckpt")
+        assert_same_weights(ckpt["state_dict"], ddp["state_dict"], f"{name} vs ddp")
+        assert_same_optimizer_state(ckpt["optimizer_states"][0], ddp["optimizer_states"][0], f"{name} vs ddp")

@@ -11,14 +11,18 @@ and replicate across them: shard group ``i`` is ranks ``[i*k, (i+1)*k)``, replic
 ``j, j+k, j+2k, ...``. Groups come from ``shard_group_size=k``, a ``(shard_group, replicate_group)``
 tuple, or a 2-D ``DeviceMesh`` (dim 0 replicates, dim 1 shards, torch's convention). Groups made from
 a size are created once per (world, k) and reused, so every unit of a model shares the same groups
-(required: a unit whose groups differ is refused). Both groups must have more than one rank: with one
-replica per group there would be nothing to replicate across (and a 2-D mesh of that shape is where torch
-once silently stopped syncing gradients); with one rank per shard group nothing would be sharded. Use
-FULL_SHARD or NO_SHARD for those.
+(required: a unit whose groups differ is refused).
+
+A layout with one group on a side is the degenerate case of the other strategies, and runs as such (one info
+log line says so): one shard group spanning every rank (one node, the default group size there) has nothing
+to replicate across, so HYBRID_SHARD runs as FULL_SHARD and HYBRID_SHARD_ZERO2 as SHARD_GRAD_OP; one rank per
+shard group shards nothing and replicates like NO_SHARD. So the config a user will run on many nodes runs on
+one. A size that does not divide the world is refused.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -27,6 +31,9 @@ import torch.distributed as dist
 from flatshard.engine.config import ShardingStrategy
 
 __all__ = ["hybrid_groups", "resolve_groups"]
+
+log = logging.getLogger(__name__)
+_LOGGED: set[tuple[str, int, int]] = set()  # (strategy, shard ranks, replicas) already reported
 
 # (world size, shard group size) -> (default group, shard groups, replicate groups); entries made under an
 # earlier default group (destroyed and initialized again) are stale and made anew.
@@ -101,15 +108,17 @@ def _resolve_hybrid(
         )
     else:
         k = shard_group_size if shard_group_size is not None else _local_world_size(strategy)
-        return hybrid_groups(k)
+        shard, replicate = hybrid_groups(k)
+        _report_degenerate(strategy, k, world)
+        return shard, replicate
     n_shard, n_replicate = dist.get_world_size(shard), dist.get_world_size(replicate)
     if n_shard * n_replicate != world:
         raise ValueError(
             f"{strategy.name}: shard group ({n_shard} ranks) x replicate group ({n_replicate} ranks) must "
             f"cover the world ({world} ranks)."
         )
-    _check_sizes(strategy, n_shard, world)
-    return shard, replicate
+    _report_degenerate(strategy, n_shard, world)
+    return (shard if n_shard > 1 else None), (replicate if n_replicate > 1 else None)
 
 
 def _local_world_size(strategy: ShardingStrategy) -> int:
@@ -122,34 +131,47 @@ def _local_world_size(strategy: ShardingStrategy) -> int:
     return int(value)
 
 
-def _check_sizes(strategy: ShardingStrategy, k: int, world: int) -> None:
-    if k <= 1 or k >= world:
-        what = (
-            "nothing would be sharded"
-            if k <= 1
-            else "there would be one replica, nothing to replicate across"
+def _report_degenerate(strategy: ShardingStrategy, k: int, world: int) -> None:
+    """One info line when a hybrid layout has one group on a side (see [Note: hybrid groups])."""
+    if 1 < k < world or world == 1 or (strategy.name, k, world) in _LOGGED:
+        return
+    _LOGGED.add((strategy.name, k, world))
+    if k >= world:
+        runs_as = "FULL_SHARD" if strategy.reshard_after_forward else "SHARD_GRAD_OP"
+        log.info(
+            "flatshard: %s with one shard group of all %d ranks: one replica, nothing to replicate across; it "
+            "runs as %s.",
+            strategy.name,
+            world,
+            runs_as,
         )
-        hint = "NO_SHARD" if k <= 1 else "FULL_SHARD (or SHARD_GRAD_OP)"
-        raise ValueError(
-            f"{strategy.name} with shard groups of {k} rank(s) out of {world}: {what}. HINT: use {hint}, or a "
-            f"shard group size between 2 and {world // 2} that divides {world}."
+    else:
+        log.info(
+            "flatshard: %s with shard groups of one rank: nothing is sharded; parameters are replicated over "
+            "%d ranks as under NO_SHARD.",
+            strategy.name,
+            world,
         )
 
 
 def hybrid_groups(k: int) -> tuple[Any, Any]:
     """This rank's (shard group, replicate group) for shard groups of ``k`` consecutive ranks (cached).
 
-    Every rank must call it with the same ``k`` (group creation is collective).
+    ``None`` for a side of one rank: ``k`` equal to the world size gives ``(WORLD, None)`` (FULL_SHARD's
+    groups), ``k = 1`` gives ``(None, WORLD)`` (NO_SHARD's). Every rank must call it with the same ``k``
+    (group creation is collective).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     if not isinstance(k, int) or isinstance(k, bool):
         raise TypeError(f"shard_group_size must be an int, got {type(k).__name__}: {k!r}.")
-    if world % k != 0:
+    if k < 1 or world % k != 0:
         raise ValueError(
             f"shard_group_size={k} does not divide the world size {world}. HINT: use a divisor of {world} "
             "(usually the number of devices per node)."
         )
-    _check_sizes(ShardingStrategy.HYBRID_SHARD, k, world)
+    if k == world or k == 1:
+        whole = dist.group.WORLD if world > 1 else None
+        return (whole, None) if k == world else (None, whole)
     cached = _HYBRID_CACHE.get((world, k))
     if cached is None or cached[0] is not dist.group.WORLD:
         shards = [dist.new_group(list(range(i * k, (i + 1) * k))) for i in range(world // k)]
