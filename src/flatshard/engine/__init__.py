@@ -23,6 +23,7 @@ from flatshard.engine.config import (
     ShardOptions,
 )
 from flatshard.engine.forward_methods import is_forward_method, register_forward_method, register_generate
+from flatshard.engine.join import JoinState, begin_join, end_join, join
 from flatshard.engine.runtime import ForwardCall, begin_backward_in_forward, forward_call, regather_in_forward
 from flatshard.engine.shard import is_sharded, no_sync, shard, unit_states
 from flatshard.engine.state.full_model import (
@@ -57,6 +58,7 @@ __all__ = [
     "CPUOffload",
     "CheckFn",
     "ForwardCall",
+    "JoinState",
     "MixedPrecision",
     "OptionErrors",
     "ParamShard",
@@ -64,10 +66,12 @@ __all__ = [
     "ShardOptions",
     "ShardingStrategy",
     "begin_backward_in_forward",
+    "begin_join",
     "check_full_model_state_dict",
     "clip_grad_norm_",
     "clip_grad_norm_params_",
     "convert_full_optim_state_dict",
+    "end_join",
     "forward_call",
     "full_model_state_dict",
     "full_optim_state_dict",
@@ -75,6 +79,7 @@ __all__ = [
     "global_rank",
     "is_forward_method",
     "is_sharded",
+    "join",
     "load_full_model_state_dict",
     "load_full_optim_state_dict",
     "local_param_targets",

@@ -68,7 +68,7 @@ from torch.utils._pytree import tree_flatten
 
 from flatshard.engine.config import BackwardPrefetch, ShardOptions
 from flatshard.engine.exec_order import ExecOrder
-from flatshard.engine.handle import FlatParamHandle
+from flatshard.engine.handle import FlatParamHandle, HandleState
 from flatshard.engine.precision import cast_floating
 from flatshard.engine.transport.limiter import AllGatherLimiter
 from flatshard.engine.transport.streams import CommContext
@@ -128,7 +128,10 @@ class RootContext:
     def unshard(self, state: UnitState | None) -> None:
         """Issue ``state``'s all-gather if it is sharded (used for its own gather and for prefetch)."""
         if state is not None and state.handle is not None:
-            state.handle.unshard(self.streams, self.limiter)
+            handle = state.handle
+            if self.root.join is not None and handle.state is HandleState.SHARDED and handle.shard_world > 1:
+                self.root.join.announce(self, state)  # see [Note: joining uneven evaluation loops]
+            handle.unshard(self.streams, self.limiter)
 
     def prefetch_backward(self, state: UnitState | None) -> None:
         """Gather the unit whose backward comes next, unless its backward already began in this pass.
@@ -254,6 +257,7 @@ class UnitState:
         self.call = _PLAIN_FORWARD  # how the current call through this unit's hooks runs (forward_call)
         _UNITS.add(module)
         self.deferred_reshard = False  # kept gathered by a registered method call (ForwardCall.keep_gathered)
+        self.join: Any = None  # a root inside flatshard.join: its join.JoinState
         self.recompute_inside = False  # a checkpointed module's parameters belong to this unit
         self._recomputing = False  # this forward is a recomputation inside backward
         self.ctx: RootContext | None = None

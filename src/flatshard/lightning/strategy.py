@@ -352,19 +352,61 @@ class FlatShardStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._through_forward(
-            "validation_step", self.precision_plugin.val_step_context(), *args, **kwargs
-        )
+        return self._evaluation_step("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._through_forward("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
+        return self._evaluation_step("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._through_forward(
+        return self._evaluation_step(
             "predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs
         )
+
+    def _evaluation_step(
+        self, method: str, context: AbstractContextManager[Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """An evaluation step, then (after this rank's last batch) serving the others: see [Note: joining
+        uneven evaluation loops]."""
+        try:
+            out = self._through_forward(method, context, *args, **kwargs)
+        except BaseException:
+            self._step_modes.end_evaluation(serve=False)
+            raise
+        loop = self.lightning_module.trainer._active_loop if self.lightning_module is not None else None
+        progress = getattr(loop, "batch_progress", None)
+        self._step_modes.after_evaluation_step(bool(getattr(progress, "is_last_batch", False)))
+        return out
+
+    # ------------------------------------------------------------------ evaluation loops (joined)
+    @override
+    def on_validation_start(self) -> None:
+        self._step_modes.begin_evaluation(self.model)
+
+    @override
+    def on_test_start(self) -> None:
+        self._step_modes.begin_evaluation(self.model)
+
+    @override
+    def on_predict_start(self) -> None:
+        self._step_modes.begin_evaluation(self.model)
+
+    @override
+    def on_validation_end(self) -> None:
+        self._step_modes.end_evaluation()
+
+    @override
+    def on_test_end(self) -> None:
+        self._step_modes.end_evaluation()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._step_modes.end_evaluation()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._step_modes.end_evaluation(serve=False)
 
     @override
     def optimizer_step(
