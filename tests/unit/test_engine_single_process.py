@@ -204,3 +204,33 @@ def test_activation_checkpointing_never_checkpoints_the_sharded_module_itself() 
     reference.loss(idx, tgt).backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+class _Skipping(TinyGPT):
+    skip: frozenset[int] = frozenset()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for i, blk in enumerate(self.blocks):
+            if i not in self.skip:
+                h = blk(h)
+        return self.head(self.ln_f(h))  # type: ignore[no-any-return]
+
+
+def test_evaluation_forwards_leave_the_recorded_order_and_prefetch_alone() -> None:
+    import warnings
+
+    torch.manual_seed(0)
+    model = flatshard.shard(_Skipping(), auto_wrap_policy={Block}, forward_prefetch=True)
+    model.loss(*make_batch(0, 2)).backward()  # the training forward records the order
+    order = unit_states(model)[0].ctx.order
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "order changed" warning
+        model.skip = frozenset({1})
+        with torch.no_grad():
+            model(make_batch(1, 2)[0])  # an evaluation forward in another order
+        model.generate(make_batch(2, 1)[0][:, :3], 3)  # and a decode loop
+        model.skip = frozenset()
+        model.loss(*make_batch(3, 2)).backward()
+    assert order.recorded and order.valid
+    assert all(s.handle.state is HandleState.SHARDED for s in unit_states(model) if s.handle is not None)

@@ -7,7 +7,9 @@ it needs to know which unit that is. The first forward records the order in whic
 their forwards *finished* (the root, which finishes last, starts backward first). Later iterations
 check each unit against the record; the first mismatch (a data-dependent branch, a unit skipped)
 warns once and turns prefetching off for good: every unit still gathers itself just in time, so a
-wrong guess can cost speed, never correctness.
+wrong guess can cost speed, never correctness. Only training forwards (gradients on) are recorded and
+checked: an evaluation step may run units in another order (a decode loop, a partial model), so it
+neither changes the record nor prefetches by it (a unit prefetched but not run would stay gathered).
 """
 
 from __future__ import annotations

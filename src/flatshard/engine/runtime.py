@@ -260,6 +260,7 @@ class UnitState:
         self.join: Any = None  # a root inside flatshard.join: its join.JoinState
         self.recompute_inside = False  # a checkpointed module's parameters belong to this unit
         self._recomputing = False  # this forward is a recomputation inside backward
+        self._tracked = False  # this forward is recorded in the execution order (a training forward)
         self.ctx: RootContext | None = None
         self._hook_handles: list[Any] = []
         self._register_hooks()
@@ -312,7 +313,10 @@ class UnitState:
         # activation checkpointing]): gather if needed, but leave the order and the state machine alone.
         in_backward = ctx.callback_queued
         self._recomputing = in_backward
-        tracked = not in_backward and not ctx.root.call.method  # see [Note: methods other than forward]
+        # Only a training forward (gradients on, not a registered method's) is recorded and checked against
+        # the execution order: evaluation may call units in another order (see [Note: execution order]).
+        tracked = not in_backward and not ctx.root.call.method and torch.is_grad_enabled()
+        self._tracked = tracked
         if self.is_root:
             ctx.streams.refresh_compute()
             if tracked:
@@ -354,7 +358,7 @@ class UnitState:
             self._recomputing = False
             return output
         method = ctx.root.call
-        if not method.method:
+        if self._tracked:
             ctx.order.note_post_forward(self)
         self.training_state = TrainingState.IDLE
         grad_outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -368,7 +372,7 @@ class UnitState:
             self.deferred_reshard = keep = True  # until the method returns: see [Note: methods other than forward]
         if self.handle is not None and not keep:
             self.handle.reshard(ctx.streams, ctx.limiter)
-        if self.is_root and not method.method:
+        if self.is_root and self._tracked:
             ctx.order.finish_forward()
         return output
 
