@@ -67,6 +67,7 @@ from common import (
     indent,
     machine_info,
     make_batches,
+    markdown_table,
     proc_status_kib,
     pyplot,
     reset_peak_rss,
@@ -637,17 +638,7 @@ def format_table(results: dict[str, dict[str, Any]], ratios: dict[str, dict[str,
                 "1 (ref)" if ref else fmt(rat and rat["rank0_extra_mem_ratio"], ".2f"),
             ]
         )
-    widths = [max([len(h), *(len(r[i]) for r in rows if len(r) > 2)]) for i, h in enumerate(headers)]
-    lines = [
-        "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |",
-        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
-    ]
-    for r in rows:
-        if len(r) == 2:
-            lines.append(f"| {r[0].ljust(widths[0])} | {r[1]} |")
-        else:
-            lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
-    return "\n".join(lines)
+    return markdown_table(headers, rows)
 
 
 def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:

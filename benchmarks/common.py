@@ -414,6 +414,21 @@ def fmt(v: Any, spec: str = ".3f") -> str:
     return format(v, spec)
 
 
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    """A padded Markdown table; a row of two cells is a failed contender (its name and the error)."""
+    widths = [max([len(h), *(len(r[i]) for r in rows if len(r) > 2)]) for i, h in enumerate(headers)]
+    lines = [
+        "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |",
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+    ]
+    for r in rows:
+        if len(r) == 2:
+            lines.append(f"| {r[0].ljust(widths[0])} | {r[1]} |")
+        else:
+            lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+    return "\n".join(lines)
+
+
 def indent(text: str, prefix: str = "      ") -> str:
     return "\n".join(prefix + line for line in text.strip().splitlines()[-12:])
 

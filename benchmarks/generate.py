@@ -54,6 +54,7 @@ from common import (
     fmt,
     indent,
     machine_info,
+    markdown_table,
     median,
     mib,
     proc_status_kib,
@@ -353,17 +354,7 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
                 str(r.get("tokens_equal")),
             ]
         )
-    widths = [max([len(h), *(len(r[i]) for r in rows if len(r) > 2)]) for i, h in enumerate(headers)]
-    lines = [
-        "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |",
-        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
-    ]
-    for r in rows:
-        if len(r) == 2:
-            lines.append(f"| {r[0].ljust(widths[0])} | {r[1]} |")
-        else:
-            lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
-    return "\n".join(lines)
+    return markdown_table(headers, rows)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from common import (
     local_numel,
     machine_info,
     make_batches,
+    markdown_table,
     median,
     mib,
     proc_status_kib,
@@ -284,17 +285,7 @@ def format_table(results: dict[str, dict[str, Any]], ratios: dict[str, dict[str,
             "1 (ref)" if name == ref else fmt(rat and rat["peak_rss_ratio"], ".2f"),
         ]
         rows.append(row)
-    widths = [max([len(h), *(len(r[i]) for r in rows if len(r) > 2)]) for i, h in enumerate(headers)]
-    lines = [
-        "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |",
-        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
-    ]
-    for r in rows:
-        if len(r) == 2:  # failed contender
-            lines.append(f"| {r[0].ljust(widths[0])} | {r[1]} |")
-        else:
-            lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
-    return "\n".join(lines)
+    return markdown_table(headers, rows)
 
 
 def format_ratios(ratios: dict[str, dict[str, Any]]) -> str:
