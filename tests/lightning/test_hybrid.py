@@ -41,13 +41,20 @@ CASES: dict[str, Any] = {
 def _train(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     os.environ.update({"NODE_RANK": str(rank // PER_NODE), "LOCAL_RANK": str(rank % PER_NODE)})
     os.environ.pop("LOCAL_WORLD_SIZE", None)  # the Trainer knows the devices per node itself
+    return _fit_cases(CASES, world, out_dir, "", PER_NODE, num_nodes=NODES)
+
+
+def _fit_cases(
+    cases: dict[str, Any], world: int, out_dir: str, prefix: str, devices: int, **trainer_kwargs: Any
+) -> dict[str, Any]:
+    """Fit each case on the same data, save ``{prefix}{name}.ckpt``; losses, rank and groups per case."""
     results: dict[str, Any] = {}
-    for name, make in CASES.items():
+    for name, make in cases.items():
         model = LitGPT()
         recorder = LossRecorder()
-        trainer = make_trainer(PER_NODE, make(), num_nodes=NODES, max_epochs=1, callbacks=[recorder])
+        trainer = make_trainer(devices, make(), max_epochs=1, callbacks=[recorder], **trainer_kwargs)
         trainer.fit(model, make_loader(STEPS, 2 * world, world))
-        trainer.save_checkpoint(os.path.join(out_dir, f"{name}.ckpt"))
+        trainer.save_checkpoint(os.path.join(out_dir, f"{prefix}{name}.ckpt"))
         info: dict[str, Any] = {"losses": recorder.losses, "global_rank": trainer.global_rank}
         if name != "ddp":
             handles = [s.handle for s in unit_states(model) if s.handle is not None]
@@ -86,19 +93,7 @@ ONE_NODE: dict[str, Any] = {
 def _train_one_node(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     os.environ.update({"NODE_RANK": "0", "LOCAL_RANK": str(rank)})
     os.environ.pop("LOCAL_WORLD_SIZE", None)
-    results: dict[str, Any] = {}
-    for name, make in ONE_NODE.items():
-        model = LitGPT()
-        recorder = LossRecorder()
-        trainer = make_trainer(world, make(), max_epochs=1, callbacks=[recorder])
-        trainer.fit(model, make_loader(STEPS, 2 * world, world))
-        trainer.save_checkpoint(os.path.join(out_dir, f"one_node_{name}.ckpt"))
-        info: dict[str, Any] = {"losses": recorder.losses}
-        if name != "ddp":
-            handles = [s.handle for s in unit_states(model) if s.handle is not None]
-            info["groups"] = sorted({(h.shard_world, h.replicate_world) for h in handles})
-        results[name] = info
-    return results
+    return _fit_cases(ONE_NODE, world, out_dir, "one_node_", world)
 
 
 @pytest.mark.timeout(600)
