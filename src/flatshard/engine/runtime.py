@@ -255,7 +255,6 @@ class UnitState:
         self.forward_depth = 0
         self.summoned = Summoned.NO  # inside flatshard.unshard_params: see [Note: forward inside unshard_params]
         self.call = _PLAIN_FORWARD  # how the current call through this unit's hooks runs (forward_call)
-        _UNITS.add(module)
         self.deferred_reshard = False  # kept gathered by a registered method call (ForwardCall.keep_gathered)
         self.join: Any = None  # a root inside flatshard.join: its join.JoinState
         self.recompute_inside = False  # a checkpointed module's parameters belong to this unit
@@ -264,6 +263,7 @@ class UnitState:
         self.ctx: RootContext | None = None
         self._hook_handles: list[Any] = []
         self._register_hooks()
+        _UNITS.add(module)
 
     @property
     def is_root(self) -> bool:
@@ -357,7 +357,7 @@ class UnitState:
         if self._recomputing:  # inside backward: stay gathered for the gradient computation that follows
             self._recomputing = False
             return output
-        method = ctx.root.call
+        call = ctx.root.call
         if self._tracked:
             ctx.order.note_post_forward(self)
         self.training_state = TrainingState.IDLE
@@ -368,7 +368,7 @@ class UnitState:
             keep = self.is_root or not self.strategy.reshard_after_forward
         else:
             keep = False
-        if not keep and method.keep_gathered and not self.is_root and self.handle is not None:
+        if not keep and call.keep_gathered and not self.is_root and self.handle is not None:
             self.deferred_reshard = keep = True  # until the method returns: see [Note: methods other than forward]
         if self.handle is not None and not keep:
             self.handle.reshard(ctx.streams, ctx.limiter)
