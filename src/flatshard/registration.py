@@ -27,6 +27,7 @@ from flatshard.strategy_names import register_names
 
 __all__ = ["install", "register"]
 
+
 def _trainer_strategy(**kwargs: Any) -> Any:
     from flatshard.lightning.strategy import FlatShardStrategy
 

@@ -148,13 +148,17 @@ def test_bad_activation_checkpointing_policy_is_refused(policy: Any, error: Any,
 @pytest.mark.timeout(300)
 def test_activation_checkpointing_policy_forms_reach_the_engine() -> None:
     for policy in ({Block}, ["flatshard.testing.models.Block"], Block, lambda m: isinstance(m, Block)):
-        check = flatshard.FlatShardStrategy(activation_checkpointing_policy=policy).options.shard_options(
-            torch.device("cpu")
-        ).activation_checkpointing_policy
+        check = (
+            flatshard.FlatShardStrategy(activation_checkpointing_policy=policy)
+            .options.shard_options(torch.device("cpu"))
+            .activation_checkpointing_policy
+        )
         assert check(Block()) and not check(torch.nn.Linear(2, 2)), policy
-    by_size = flatshard.FlatShardStrategy(activation_checkpointing_policy=500).options.shard_options(
-        torch.device("cpu")
-    ).activation_checkpointing_policy
+    by_size = (
+        flatshard.FlatShardStrategy(activation_checkpointing_policy=500)
+        .options.shard_options(torch.device("cpu"))
+        .activation_checkpointing_policy
+    )
     assert by_size(torch.nn.Linear(30, 30)) and not by_size(torch.nn.Linear(3, 3))
     pickle.dumps(flatshard.FlatShardStrategy(activation_checkpointing_policy={Block}).options)
 
@@ -165,7 +169,10 @@ def test_prefetch_options_are_validated_and_passed_to_the_engine() -> None:
     options = strategy.options.shard_options(torch.device("cpu"))
     assert options.backward_prefetch is flatshard.BackwardPrefetch.BACKWARD_POST
     assert options.forward_prefetch is True
-    assert flatshard.FlatShardStrategy().options.shard.backward_prefetch is flatshard.BackwardPrefetch.BACKWARD_PRE
+    assert (
+        flatshard.FlatShardStrategy().options.shard.backward_prefetch
+        is flatshard.BackwardPrefetch.BACKWARD_PRE
+    )
     with pytest.raises(ValueError, match="BACKWARD_PRE"):
         flatshard.FlatShardStrategy(backward_prefetch="SIDEWAYS")
     with pytest.raises(TypeError, match="forward_prefetch"):

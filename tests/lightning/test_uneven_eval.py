@@ -76,7 +76,12 @@ def test_uneven_evaluation_completes_and_matches_ddp() -> None:
     ddp = spawn(_run, 2, "ddp")
     for rank in range(2):
         for key in ("fit", "validate", "test"):
-            assert _rounded(ours[rank][key]) == _rounded(ddp[rank][key]), (rank, key, ours[rank][key], ddp[rank][key])
+            assert _rounded(ours[rank][key]) == _rounded(ddp[rank][key]), (
+                rank,
+                key,
+                ours[rank][key],
+                ddp[rank][key],
+            )
         assert ours[rank]["predict"] == ddp[rank]["predict"], rank
     assert ours[0]["validate"][0]["val_batches"] == sum(BATCHES)
 

@@ -105,7 +105,12 @@ def test_shard_options_list_every_bad_field_in_one_error() -> None:
         ShardOptions(sharding_strategy="ZERO_4", forward_prefetch="yes", shard_group_size=0, device="gpu:x")
     message = str(info.value)
     assert "4 options are wrong" in message
-    for fragment in ("sharding_strategy='ZERO_4'", "forward_prefetch must be a bool", "shard_group_size", "device="):
+    for fragment in (
+        "sharding_strategy='ZERO_4'",
+        "forward_prefetch must be a bool",
+        "shard_group_size",
+        "device=",
+    ):
         assert fragment in message, fragment
     with pytest.raises(TypeError, match="limit_all_gathers must be a bool"):  # one problem keeps its type
         ShardOptions(limit_all_gathers=1)
@@ -120,7 +125,9 @@ def test_shard_takes_options_and_keywords_replace_them() -> None:
     model = shard(TinyGPT(), options, forward_prefetch=False)
     states = unit_states(model)
     assert len(states) == 1 + len(model.blocks)
-    assert all(s.options.forward_prefetch is False and s.options.device == torch.device("cpu") for s in states)
+    assert all(
+        s.options.forward_prefetch is False and s.options.device == torch.device("cpu") for s in states
+    )
     with pytest.raises(TypeError, match="unknown options \\['auto_wrap'\\].*auto_wrap_policy"):
         shard(TinyGPT(), auto_wrap={Block})
     with pytest.raises(TypeError, match="ShardOptions"):

@@ -34,7 +34,9 @@ def _imports(name: str) -> list[tuple[str, list[str], int]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join([*package.split(".")[:len(package.split(".")) - node.level + 1], base]).strip(".")
+                base = ".".join(
+                    [*package.split(".")[: len(package.split(".")) - node.level + 1], base]
+                ).strip(".")
             if base.startswith("flatshard"):
                 out.append((base, [a.name for a in node.names], node.lineno))
     return out

@@ -68,7 +68,9 @@ class _ForwardMethod:
                 state._pre_forward(state.module, (), {})
             output = None
             try:
-                output = self.function(module, *args, **kwargs) if self.bound else self.function(*args, **kwargs)
+                output = (
+                    self.function(module, *args, **kwargs) if self.bound else self.function(*args, **kwargs)
+                )
             finally:
                 for state in reversed(chain):
                     output = state._post_forward(state.module, (), output)
@@ -99,7 +101,9 @@ def register_forward_method(module: nn.Module, name: str, *, keep_gathered: bool
     if name == "forward":
         raise ValueError("register_forward_method: forward already gathers. HINT: register another method.")
     if not isinstance(keep_gathered, bool):
-        raise TypeError(f"keep_gathered must be a bool, got {type(keep_gathered).__name__}: {keep_gathered!r}.")
+        raise TypeError(
+            f"keep_gathered must be a bool, got {type(keep_gathered).__name__}: {keep_gathered!r}."
+        )
     current = getattr(module, name, None)
     if isinstance(current, _ForwardMethod):
         current.keep_gathered = keep_gathered

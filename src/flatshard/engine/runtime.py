@@ -253,7 +253,9 @@ class UnitState:
         self.strategy = options.sharding_strategy
         self.training_state = TrainingState.IDLE
         self.forward_depth = 0
-        self.summoned = Summoned.NO  # inside flatshard.unshard_params: see [Note: forward inside unshard_params]
+        self.summoned = (
+            Summoned.NO
+        )  # inside flatshard.unshard_params: see [Note: forward inside unshard_params]
         self.call = _PLAIN_FORWARD  # how the current call through this unit's hooks runs (forward_call)
         self.deferred_reshard = False  # kept gathered by a registered method call (ForwardCall.keep_gathered)
         self.join: Any = None  # a root inside flatshard.join: its join.JoinState
@@ -369,7 +371,9 @@ class UnitState:
         else:
             keep = False
         if not keep and call.keep_gathered and not self.is_root and self.handle is not None:
-            self.deferred_reshard = keep = True  # until the method returns: see [Note: methods other than forward]
+            self.deferred_reshard = keep = (
+                True  # until the method returns: see [Note: methods other than forward]
+            )
         if self.handle is not None and not keep:
             self.handle.reshard(ctx.streams, ctx.limiter)
         if self.is_root and self._tracked:

@@ -36,8 +36,12 @@ def _one_of(name: str, value: object, choices: tuple[str, ...], hint: str = "") 
 
 def _check_device_mesh(value: object) -> Any:
     if isinstance(value, (tuple, list)):
-        if len(value) != 2 or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in value):
-            raise ValueError(f"device_mesh={value!r} must be (replicas, ranks per shard group), two positive ints.")
+        if len(value) != 2 or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in value
+        ):
+            raise ValueError(
+                f"device_mesh={value!r} must be (replicas, ranks per shard group), two positive ints."
+            )
         return tuple(value)
     if value is not None and type(value).__name__ != "DeviceMesh":
         raise TypeError(

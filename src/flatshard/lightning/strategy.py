@@ -352,7 +352,9 @@ class FlatShardStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
+        return self._evaluation_step(
+            "validation_step", self.precision_plugin.val_step_context(), *args, **kwargs
+        )
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -422,7 +424,9 @@ class FlatShardStrategy(ParallelStrategy):
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
-        self._step_modes.before_backward(self.model, closure_loss)  # manual optimization: inside training_step
+        self._step_modes.before_backward(
+            self.model, closure_loss
+        )  # manual optimization: inside training_step
 
     # ------------------------------------------------------------------ collectives
     @override

@@ -73,7 +73,9 @@ def param_shard(param: torch.Tensor) -> ParamShard | None:
     if handle is None:
         return None
     i = handle.index_of(param)
-    return ParamShard(param.detach().reshape(-1), handle.shard_infos[i].offset_in_param, handle.layout.shapes[i])
+    return ParamShard(
+        param.detach().reshape(-1), handle.shard_infos[i].offset_in_param, handle.layout.shapes[i]
+    )
 
 
 def sharded_model_state_dict(module: nn.Module) -> dict[str, Any]:

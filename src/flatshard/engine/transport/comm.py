@@ -50,10 +50,10 @@ comm_stats: Counter[str] = Counter()
 """Bytes this process sent into each collective kind (``"all_gather"``, ``"reduce_scatter"``,
 ``"all_reduce"``); reset with ``comm_stats.clear()``."""
 
+
 def global_rank() -> int:
     """This process's rank in the default group (0 without one)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
 
 
 @dataclasses.dataclass
