@@ -367,7 +367,8 @@ class ShardOptions:
             strategies: a ``(shard_group, replicate_group)`` tuple or a 2-D ``DeviceMesh`` (replicate, shard).
         shard_group_size: hybrid strategies: ranks per shard group (consecutive ranks; must divide the world
             size). Default: ``LOCAL_WORLD_SIZE`` (shard within a node).
-        device: where shards and compute live. Default: the current CUDA device with NCCL, else CPU.
+        device: where shards and compute live. Default: the accelerator the module is on; else the current
+            CUDA device when the backend includes NCCL (or is left to torch, for a meta-device model); else CPU.
     """
 
     sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD

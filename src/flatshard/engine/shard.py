@@ -29,8 +29,22 @@ from flatshard.engine.wrap import plan_units, select_unit_modules
 __all__ = ["is_sharded", "no_sync", "shard", "unit_states"]
 
 
-def _default_device(group: Any | None) -> torch.device:
-    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+def _default_device(module: nn.Module, ignored: set[nn.Module], group: Any | None) -> torch.device:
+    """Where shards and compute go when ``device`` is not given.
+
+    An accelerator the module already lives on; else the current CUDA device when the group's backend
+    includes NCCL (``"nccl"``, ``"cpu:gloo,cuda:nccl"``), or when it was left for torch to choose
+    (``"undefined"``) and a model built on the meta device has no device of its own; else the CPU.
+    """
+    tensors = [
+        t for m in module.modules() if m not in ignored for t in (*m.parameters(False), *m.buffers(False))
+    ]
+    placed = [t.device for t in tensors if not t.is_meta]
+    accelerator = next((d for d in placed if d.type != "cpu"), None)
+    if accelerator is not None:
+        return accelerator
+    backend = str(dist.get_backend(group)) if dist.is_available() and dist.is_initialized() else ""
+    if "nccl" in backend or (backend == "undefined" and not placed and torch.cuda.is_available()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -72,7 +86,7 @@ def shard(
     strategy, mp, param_init_fn = opts.sharding_strategy, opts.mixed_precision, opts.param_init_fn
     ignored = _expand_ignored(module, ignored_modules)
     shard_group, replicate_group = resolve_groups(strategy, opts.process_group, opts.shard_group_size)
-    target = opts.device if opts.device is not None else _default_device(shard_group)
+    target = opts.device if opts.device is not None else _default_device(module, ignored, shard_group)
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
     opts = replace(opts, device=target)
