@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+from flatshard.engine.transport import comm
+
 shard_module = importlib.import_module("flatshard.engine.shard")  # the module, not the shard() function
 
 CUDA0 = torch.device("cuda", 0)
@@ -41,6 +43,7 @@ def test_default_device(
     with torch.device("meta") if meta else torch.device("cpu"):
         model = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))
     assert shard_module._default_device(model, set(), None) == expected
+    assert comm.uses_nccl(None) == (backend is not None and "nccl" in backend)  # join's device choice too
 
 
 def test_undefined_backend_without_cuda_stays_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

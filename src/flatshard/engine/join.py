@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from flatshard.engine.runtime import RootContext, UnitState, get_unit_state
 from flatshard.engine.shard import unit_states
-from flatshard.engine.transport.comm import global_rank
+from flatshard.engine.transport.comm import global_rank, uses_nccl
 
 __all__ = ["JoinState", "begin_join", "end_join", "join"]
 
@@ -117,7 +117,8 @@ def _shard_group(states: list[UnitState]) -> tuple[Any, int, torch.device] | Non
             "shard_group_size in every shard() call)."
         )
     first = handles[0]
-    device = first.device if dist.get_backend(first.shard_group) == "nccl" else torch.device("cpu")
+    # The exchanged integers go where the group's backend takes them: CUDA with NCCL, else the CPU.
+    device = first.device if uses_nccl(first.shard_group) else torch.device("cpu")
     return first.shard_group, first.shard_world, device
 
 

@@ -24,6 +24,7 @@ from flatshard.engine.precision import (
 )
 from flatshard.engine.process_groups import resolve_groups
 from flatshard.engine.runtime import STATE_ATTR, UnitState, get_unit_state
+from flatshard.engine.transport import comm
 from flatshard.engine.wrap import plan_units, select_unit_modules
 
 __all__ = ["is_sharded", "no_sync", "shard", "unit_states"]
@@ -43,8 +44,8 @@ def _default_device(module: nn.Module, ignored: set[nn.Module], group: Any | Non
     accelerator = next((d for d in placed if d.type != "cpu"), None)
     if accelerator is not None:
         return accelerator
-    backend = str(dist.get_backend(group)) if dist.is_available() and dist.is_initialized() else ""
-    if "nccl" in backend or (backend == "undefined" and not placed and torch.cuda.is_available()):
+    undefined = comm.backend_name(group) == "undefined"
+    if comm.uses_nccl(group) or (undefined and not placed and torch.cuda.is_available()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -56,6 +56,17 @@ def global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def backend_name(group: ProcessGroup | None) -> str:
+    """``group``'s backend as torch names it (``""`` without a process group): ``"gloo"``, ``"nccl"``, one per
+    device type (``"cpu:gloo,cuda:nccl"``) or, left for torch to choose, ``"undefined"``."""
+    return str(dist.get_backend(group)) if dist.is_available() and dist.is_initialized() else ""
+
+
+def uses_nccl(group: ProcessGroup | None) -> bool:
+    """Whether ``group`` moves CUDA tensors with NCCL, alone or beside another backend."""
+    return "nccl" in backend_name(group)
+
+
 @dataclasses.dataclass
 class CollectiveTiming:
     """When one collective was issued, worked on and waited for (``time.perf_counter_ns`` values).
