@@ -133,10 +133,12 @@ def local_numel(model: torch.nn.Module) -> int:
 # The contenders of step_time.py (memory.py builds its peers the same way)
 # ----------------------------------------------------------------------------------------------------------
 
-FLATSHARD_CONTENDERS = ("flatshard", "flatshard_grad_op")
+FLATSHARD_CONTENDERS = ("flatshard", "flatshard_grad_op", "flatshard_compiled")
 CONTENDER_DESCRIPTIONS = {
     "flatshard": "flatshard.shard FULL_SHARD, auto_wrap_policy={Block}",
     "flatshard_grad_op": "flatshard.shard SHARD_GRAD_OP, auto_wrap_policy={Block}",
+    "flatshard_compiled": "flatshard.shard FULL_SHARD, auto_wrap_policy={Block}, each Block compiled in place"
+    " (compile_units: torch.compile, the config's compile_kwargs)",
     "fsdp1": "torch FSDP1 FULL_SHARD, ModuleWrapPolicy({Block}), use_orig_params=True",
     "fsdp1_grad_op": "torch FSDP1 SHARD_GRAD_OP, ModuleWrapPolicy({Block}), use_orig_params=True",
     "fsdp2": "torch FSDP2 fully_shard per Block then root (reshard_after_forward=True)",
@@ -221,8 +223,15 @@ def wrap_contender(
     """Shard or replicate ``model`` as the contender ``name`` of ``step_time.py`` (one unit per ``Block``)."""
     mixed = cfg["precision"] == "bf16-mixed"
     if name in FLATSHARD_CONTENDERS:
-        strategy = "FULL_SHARD" if name == "flatshard" else "SHARD_GRAD_OP"
-        return _wrap_flatshard(model, cfg, device, strategy, info)
+        strategy = "SHARD_GRAD_OP" if name == "flatshard_grad_op" else "FULL_SHARD"
+        model = _wrap_flatshard(model, cfg, device, strategy, info)
+        if name == "flatshard_compiled":  # what FlatShardStrategy(compile=...) does after sharding
+            from flatshard.engine import compile_units
+
+            kwargs = dict(cfg.get("compile_kwargs") or {})
+            info["compiled_units"] = len(compile_units(model, kwargs))
+            info["compile_kwargs"] = {k: str(v) for k, v in kwargs.items()}
+        return model
     if name in ("fsdp1", "fsdp1_grad_op"):
         from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, ShardingStrategy
         from torch.distributed.fsdp import MixedPrecision as FSDPMixedPrecision

@@ -11,6 +11,7 @@ contender trained the same model.
     python benchmarks/step_time.py --preset cpu-small
     python benchmarks/step_time.py --preset cpu-large --steps 5 --warmup 2
     python benchmarks/step_time.py --preset cuda-1b            # every GPU; on 1 GPU: no communication
+    python benchmarks/step_time.py --preset cpu-small --compiled-vs-eager   # flatshard with / without compile
 
 Writes ``docs/bench/step_time_<preset>.json`` and ``.png`` (see ``benchmarks/README.md``).
 """
@@ -67,6 +68,7 @@ ALL_CONTENDERS = (
     "flatshard_grad_op",
     "fsdp1_grad_op",
     "fsdp2_grad_op",
+    "flatshard_compiled",
 )
 DEFAULT_CONTENDERS = ("flatshard", "fsdp1", "fsdp2", "ddp", "flatshard_grad_op")
 
@@ -123,6 +125,7 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     losses: list[torch.Tensor] = []
     times: list[float] = []
+    warmup_times: list[float] = []  # the first one compiles, for flatshard_compiled
     for i, (idx, tgt) in enumerate(batches):
         barrier(device)
         t0 = time.perf_counter()
@@ -131,8 +134,7 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
         losses.append(loss)
-        if i >= cfg["warmup"]:
-            times.append(dt)
+        (times if i >= cfg["warmup"] else warmup_times).append(dt)
 
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     # CPU time and page faults of this rank over warmup + timed steps: a high system time / minor-fault
@@ -156,6 +158,7 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
     dist.all_reduce(local)
     info["losses"] = [round(v / world_size, 6) for v in local.cpu().tolist()]
     info["step_times_s"] = times
+    info["warmup_step_times_s"] = warmup_times
     return info
 
 
@@ -199,8 +202,9 @@ def summarize(name: str, runs: list[list[dict[str, Any]]], cfg: dict[str, Any], 
         "first_loss": last[0]["losses"][0],
         "final_loss": last[0]["losses"][-1],
         "precision_used": last[0]["precision_used"],
+        "warmup_step_s_rank0": [round(t, 3) for t in last[0].get("warmup_step_times_s", [])],
     }
-    for key in ("flatshard_options", "fsdp1_options"):
+    for key in ("flatshard_options", "fsdp1_options", "compiled_units", "compile_kwargs"):
         if key in last[0]:
             res[key] = last[0][key]
     if cfg["device"] == "cuda":
@@ -392,6 +396,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--repeats", type=int, default=1, help="run every contender this many times (interleaved)")
     p.add_argument(
+        "--compiled-vs-eager",
+        action="store_true",
+        help="run flatshard and flatshard_compiled (each Block compiled in place after sharding, as\n"
+        "FlatShardStrategy(compile=...) does) in the same run, instead of --contenders, and report\n"
+        "compiled / eager step time. The first warmup step compiles (reported as warmup_step_s_rank0)",
+    )
+    p.add_argument(
+        "--compile-backend", default="inductor", help="torch.compile backend of flatshard_compiled"
+    )
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode of flatshard_compiled")
+    p.add_argument(
         "--flatshard-backward-prefetch",
         choices=["auto", "BACKWARD_PRE", "BACKWARD_POST", "none"],
         default="auto",
@@ -450,6 +465,10 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
         optimizer="AdamW(lr=1e-4), other defaults",
         timed_region="forward + cross-entropy + backward + optimizer.step() + zero_grad(set_to_none=True)",
         malloc_mmap_threshold=args.malloc_mmap_threshold,
+        compile_kwargs={
+            "backend": args.compile_backend,
+            **({"mode": args.compile_mode} if args.compile_mode else {}),
+        },
     )
     if cfg["steps"] < 1 or cfg["warmup"] < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
@@ -460,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = build_config(args)
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    if args.compiled_vs_eager:
+        contenders = ["flatshard", "flatshard_compiled"]
     unknown = [c for c in contenders if c not in ALL_CONTENDERS]
     if unknown:
         raise SystemExit(f"unknown contender(s) {unknown}; choose from {', '.join(ALL_CONTENDERS)}")
@@ -541,6 +562,14 @@ def main(argv: list[str] | None = None) -> int:
                     "error": traceback.format_exc(),
                 }
     report["ratios"] = compute_ratios(report["results"])
+    compiled = report["ratios"].get("flatshard_compiled/flatshard")
+    if compiled is not None:
+        report["compiled_vs_eager"] = {
+            "step_time_ratio": compiled["step_time_ratio"],
+            "min_step_time_ratio": compiled["min_step_time_ratio"],
+            "peak_rss_ratio": compiled["peak_rss_ratio"],
+            "compile_kwargs": cfg["compile_kwargs"],
+        }
     report["machine"]["loadavg_at_end"] = list(os.getloadavg())
     ok = [r for r in report["results"].values() if r.get("status") == "ok"]
     notes = []
@@ -582,6 +611,12 @@ def main(argv: list[str] | None = None) -> int:
     if report["ratios"]:
         print("\nratios (flatshard variant / peer; < 1 means flatshard is faster or smaller):")
         print(format_ratios(report["ratios"]))
+    if "compiled_vs_eager" in report:
+        c = report["compiled_vs_eager"]
+        print(
+            f"\ncompiled / eager (flatshard_compiled / flatshard): step time x{c['step_time_ratio']:.3f} "
+            f"(min x{c['min_step_time_ratio']:.3f}), peak RSS x{c['peak_rss_ratio']:.3f}"
+        )
     for n in notes:
         print("note:", n)
     write_json(out, report, default=str)

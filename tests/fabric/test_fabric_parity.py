@@ -11,6 +11,7 @@ import torch
 from lightning.fabric import Fabric
 
 import flatshard  # registers the strategy names
+from flatshard import FlatShardFabricStrategy, MixedPrecision
 from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT, make_batch
 
@@ -97,10 +98,17 @@ def test_fabric_parity_clip_save_load(tmp_path: Path) -> None:
         assert r["step"] == 3.0
 
 
-def _run_mixed(rank: int, world: int) -> dict[str, object]:
+def _run_mixed(rank: int, world: int, reduce_fp32: bool) -> dict[str, object]:
     """bf16-mixed: autocast over bf16 gathered weights, against an emulation that runs a bf16 copy of the
-    fp32 reference under the same autocast for each rank's slice and averages the fp32 gradients."""
-    fabric = Fabric(accelerator="cpu", devices=world, strategy="flatshard", precision="bf16-mixed")
+    fp32 reference under the same autocast for each rank's slice and averages its gradients: in bf16 as the
+    flag implies (part of the average divided first, the sum in rank order, the rest in fp32), or in fp32 with
+    ``MixedPrecision(reduce_dtype=torch.float32)``."""
+    from flatshard.engine.precision import reduce_divisors
+
+    strategy = FlatShardFabricStrategy(
+        mixed_precision=MixedPrecision(reduce_dtype=torch.float32) if reduce_fp32 else None
+    )
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, precision="bf16-mixed")
     fabric.launch()
     torch.manual_seed(0)
     reference = TinyGPT()
@@ -121,11 +129,12 @@ def _run_mixed(rank: int, world: int) -> dict[str, object]:
             ref_loss.backward()
             if r == rank:
                 mine_ref = ref_loss.item()
-            g = [p.grad.float() for p in low.parameters()]
+            pre, post = reduce_divisors(world, torch.bfloat16)
+            g = [p.grad.float() if reduce_fp32 else p.grad / pre for p in low.parameters()]
             grads = g if grads is None else [a + b for a, b in zip(grads, g)]
         assert grads is not None
         for p, g in zip(reference.parameters(), grads):
-            p.grad = g / world
+            p.grad = g / world if reduce_fp32 else g.float() / post
         ref_opt.step()
         ref_opt.zero_grad()
         logits = model(idx[2 * rank : 2 * rank + 2])
@@ -162,11 +171,13 @@ def _run_fp16_scaler(rank: int, world: int) -> str:
 
 
 @pytest.mark.timeout(300)
-def test_fabric_mixed_precision() -> None:
-    for r in spawn(_run_mixed, 2):
+@pytest.mark.parametrize("reduce_fp32", [False, True], ids=["bf16_reduce", "fp32_reduce"])
+def test_fabric_mixed_precision(reduce_fp32: bool) -> None:
+    for r in spawn(_run_mixed, 2, reduce_fp32):
         assert r["loss"] <= 1e-6 and r["weights"] <= 1e-6, r
         assert r["dtypes"] == ["torch.float32"]
-    assert spawn(_run_fp16_scaler, 2) == ["FlatShardGradScaler"] * 2
+    if not reduce_fp32:
+        assert spawn(_run_fp16_scaler, 2) == ["FlatShardGradScaler"] * 2
 
 
 class _WithMetric(torch.nn.Module):

@@ -7,13 +7,14 @@ submodule. Layout (see ``docs/concepts.md`` for a map by question):
 - the runtime core: ``config`` (options), ``shard`` (the entry point), ``wrap`` (unit planning),
   ``materialize``, ``process_groups``, ``precision``, ``activation_checkpointing``, ``flat_param`` (index
   math), ``handle`` (one unit's flat parameter), ``runtime`` (hooks), ``forward_methods`` (methods other
-  than forward that gather), ``exec_order``, ``clip``;
+  than forward that gather), ``exec_order``, ``clip``, ``compile`` (``torch.compile`` of units);
 - ``transport/``: collectives, the shared-memory transport, memory blocks, streams, the limiter;
 - ``state/``: full and sharded model / optimizer state, the streamed gather, ``unshard_params``.
 """
 
 from flatshard.engine.activation_checkpointing import CheckFn
 from flatshard.engine.clip import clip_grad_norm_, clip_grad_norm_params_
+from flatshard.engine.compile import compile_kwargs, compile_units
 from flatshard.engine.config import (
     BackwardPrefetch,
     CPUOffload,
@@ -51,12 +52,14 @@ from flatshard.engine.state.sharded import (
 from flatshard.engine.state.state_dict import get_state_dict, optimizer_list, set_state_dict
 from flatshard.engine.state.unshard_params import unshard_params
 from flatshard.engine.transport.comm import global_rank
+from flatshard.engine.transport.watchdog import DesyncError, wait_collective
 from flatshard.engine.wrap import Policy
 
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
     "CheckFn",
+    "DesyncError",
     "ForwardCall",
     "JoinState",
     "MixedPrecision",
@@ -70,6 +73,8 @@ __all__ = [
     "check_full_model_state_dict",
     "clip_grad_norm_",
     "clip_grad_norm_params_",
+    "compile_kwargs",
+    "compile_units",
     "convert_full_optim_state_dict",
     "end_join",
     "forward_call",
@@ -101,4 +106,5 @@ __all__ = [
     "to_local_optim_state",
     "unit_states",
     "unshard_params",
+    "wait_collective",
 ]

@@ -22,6 +22,7 @@ tensors. RNG state is restored for the recomputation, so dropout masks match.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +33,12 @@ from torch.utils.checkpoint import checkpoint
 
 from flatshard.engine.wrap import resolve_policy
 
-__all__ = ["apply_activation_checkpointing", "is_checkpointed", "resolve_checkpointing_policy"]
+__all__ = [
+    "apply_activation_checkpointing",
+    "checkpointed_call",
+    "is_checkpointed",
+    "resolve_checkpointing_policy",
+]
 
 _MARK = "_flatshard_checkpointed"
 
@@ -78,20 +84,46 @@ def _arity(fn: Callable[..., Any]) -> int:
 
 
 class _CheckpointedCall:
-    """The instance-level ``_call_impl`` of a checkpointed module (picklable with its module)."""
+    """The instance-level ``_call_impl`` of a checkpointed module (picklable with its module).
+
+    ``compiled``: the module's compiled ``_call_impl`` (``torch.compile`` of it, as ``module.compile()`` makes),
+    run inside the checkpoint instead of the plain one. Under ``torch.compile`` this frame itself is never
+    traced: checkpointing runs eagerly around the compiled call (see [Note: torch.compile]).
+    """
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+        self.compiled: Callable[..., Any] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        call = type(self.module)._call_impl.__get__(self.module)
+        call = self.compiled or type(self.module)._call_impl.__get__(self.module)
         if not torch.is_grad_enabled():  # nothing to save: no point recomputing
             return call(*args, **kwargs)
         return checkpoint(call, *args, use_reentrant=False, **kwargs)
 
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """The checkpointed module's ``compile`` (set on the module): the compiled call ``nn.Module.compile``
+        makes, kept here to run inside the checkpoint, since ``nn.Module`` would call it directly."""
+        self.compiled = torch.compile(type(self.module)._call_impl.__get__(self.module), *args, **kwargs)
+
+
+@functools.cache
+def _skip_call_frames() -> None:
+    """Dynamo skips :meth:`_CheckpointedCall.__call__`'s frame (still compiling what it calls). Registered when
+    checkpointing is first applied, so importing flatshard does not import dynamo."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(_CheckpointedCall.__call__.__code__)
+
 
 def is_checkpointed(module: nn.Module) -> bool:
     return bool(module.__dict__.get(_MARK, False))
+
+
+def checkpointed_call(module: nn.Module) -> _CheckpointedCall | None:
+    """The checkpointed call installed on ``module``, or ``None`` if it is not checkpointed."""
+    call = module.__dict__.get("_call_impl") if is_checkpointed(module) else None
+    return call if isinstance(call, _CheckpointedCall) else None
 
 
 def apply_activation_checkpointing(root: nn.Module, check: CheckFn, skip: set[nn.Module]) -> list[nn.Module]:
@@ -108,14 +140,19 @@ def apply_activation_checkpointing(root: nn.Module, check: CheckFn, skip: set[nn
             "activation_checkpointing_policy needs torch >= 2.1 (nn.Module._wrapped_call_impl)."
         )
     chosen: list[nn.Module] = []
+    _skip_call_frames()
 
     def visit(module: nn.Module) -> None:
         if module in skip:
             return
         if is_checkpointed(module) or check(module):
             if not is_checkpointed(module):
-                module.__dict__["_call_impl"] = _CheckpointedCall(module)
+                call = module.__dict__["_call_impl"] = _CheckpointedCall(module)
+                module.__dict__["compile"] = call.compile
                 module.__dict__[_MARK] = True
+                # Compiled already (module.compile()): its compiled call runs inside the checkpoint, since
+                # nn.Module calls a compiled call directly, never the instance's _call_impl.
+                call.compiled, module._compiled_call_impl = module._compiled_call_impl, None
             chosen.append(module)
             return
         for child in module.children():

@@ -9,7 +9,9 @@ adding an option means a field here, a parameter in the two strategy signatures,
 
 from __future__ import annotations
 
+import datetime
 import enum
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
@@ -312,6 +314,25 @@ def _check_shard_group_size(value: object) -> int | None:
     return value  # type: ignore[return-value]
 
 
+def _check_desync_timeout(value: object) -> float | None:
+    if isinstance(value, datetime.timedelta):
+        value = value.total_seconds()
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(
+            f"desync_timeout must be a positive number of seconds, a timedelta or None (never report), got "
+            f"{value!r}. HINT: the default is 60; raise it for steps whose collectives legitimately pause "
+            "longer, or pass None to wait as the process group does."
+        )
+    return float(value)
+
+
 def _check_device(value: object) -> torch.device | None:
     if value is None or isinstance(value, torch.device):
         return value
@@ -369,6 +390,12 @@ class ShardOptions:
             size). Default: ``LOCAL_WORLD_SIZE`` (shard within a node).
         device: where shards and compute live. Default: the accelerator the module is on; else the current
             CUDA device when the backend includes NCCL (or is left to torch, for a meta-device model); else CPU.
+        desync_timeout: seconds without progress after which ranks whose collectives no longer pair up (a
+            rank skipped a forward, ran another unit, or waits in a collective of its own) raise
+            ``DesyncError`` naming where each rank waits, instead of hanging until the process group's
+            timeout; see [Note: finding a desync]. A slow rank is never reported. ``None``: never report.
+            Process-wide: the last ``shard()`` call's value holds; ``FLATSHARD_DESYNC_TIMEOUT`` overrides.
+            Default: 60.
     """
 
     sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
@@ -384,6 +411,7 @@ class ShardOptions:
     process_group: Any = None
     shard_group_size: int | None = None
     device: torch.device | None = None
+    desync_timeout: float | None = 60.0
 
     def __post_init__(self) -> None:
         errors = OptionErrors("ShardOptions")
@@ -402,6 +430,7 @@ class ShardOptions:
             "param_init_fn": errors.check(_check_param_init_fn, self.param_init_fn),
             "shard_group_size": errors.check(_check_shard_group_size, self.shard_group_size),
             "device": errors.check(_check_device, self.device),
+            "desync_timeout": errors.check(_check_desync_timeout, self.desync_timeout),
         }
         errors.raise_if_any()
         for name, value in normalized.items():

@@ -80,13 +80,13 @@ class _InFlight(NamedTuple):
 def _reduce_scatter_into(
     handle: FlatParamHandle, out: torch.Tensor, full: torch.Tensor | FlatPieces
 ) -> comm.Pending:
-    return comm.reduce_scatter_flat(out, full, handle.shard_group)
+    return comm.reduce_scatter_flat(out, full, handle.shard_group, where=handle.where)
 
 
 def _all_reduce_into(
     handle: FlatParamHandle, out: torch.Tensor, full: torch.Tensor | FlatPieces
 ) -> comm.Pending:
-    return comm.all_reduce_flat(out, handle.replicate_group)
+    return comm.all_reduce_flat(out, handle.replicate_group, where=handle.where)
 
 
 class _UnflattenViews(torch.autograd.Function):
@@ -271,6 +271,8 @@ class FlatParamHandle:
         self._sharded_grad: torch.Tensor | None = None
         self._sharded_grad_ref: Callable[[], torch.Tensor | None] = lambda: None
         self._pending_unshard: _InFlight | None = None  # a gather issued and not yet waited for
+        # (unit path, phase, step) of the next collectives, set by the runtime: see [Note: finding a desync]
+        self.where: tuple[str, str, int] | None = None
         # no_sync: gradients stay unsharded and accumulate here, in the gradient dtype, until a backward
         # outside no_sync reduces them with its own (see [Note: no_sync]).
         self.sync_grads = True
@@ -445,11 +447,11 @@ class FlatParamHandle:
             streams.side_waits_compute(streams.unshard)
             streams.wait(cast_done, streams.unshard)
             with streams.on(streams.unshard):
-                pending = comm.all_gather_flat(self._gather, source, self.shard_group)
+                pending = comm.all_gather_flat(self._gather, source, self.shard_group, where=self.where)
                 pending.wait()  # the unshard stream (not the CPU) waits for the collective
                 self._pending_unshard = _InFlight(pending, streams.record(streams.unshard), source)
         else:
-            pending = comm.all_gather_flat(self._gather, source, self.shard_group)
+            pending = comm.all_gather_flat(self._gather, source, self.shard_group, where=self.where)
             self._pending_unshard = _InFlight(pending, None, source)
 
     def wait_unshard(self, streams: CommContext | None = None) -> None:
@@ -537,7 +539,7 @@ class FlatParamHandle:
         else:
             grad = inflight.pending.wait()
         if self.shard_world > 1 and self.replicate_world > 1:
-            comm.all_reduce_flat(grad, self.replicate_group, async_op=False)
+            comm.all_reduce_flat(grad, self.replicate_group, async_op=False, where=self.where)
         _, post = reduce_divisors(self.shard_world * self.replicate_world, grad.dtype)
         if grad.dtype != self.precision.grad or grad.device != self.shard_device:
             grad = grad.to(self.shard_device, self.precision.grad)  # offload: the optimizer steps on CPU

@@ -98,6 +98,7 @@ class JoinState:
             handle = ctx.states[index].handle
             if handle is None:  # pragma: no cover - only units with parameters gather
                 continue
+            handle.where = (ctx.states[index].path, "joined (serving another rank's gather)", ctx.step)
             with torch.no_grad():
                 handle.unshard(ctx.streams, ctx.limiter)
                 handle.wait_unshard(ctx.streams)

@@ -55,9 +55,10 @@ import enum
 import logging
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import MethodType
 from typing import Any
 
 import torch
@@ -124,6 +125,7 @@ class RootContext:
         self.order: ExecOrder[UnitState] = ExecOrder()
         self.pending: deque[tuple[FlatParamHandle, Any]] = deque()
         self.callback_queued = False
+        self.step = 0  # training forwards of this root so far: names collectives in a desync report
 
     def unshard(self, state: UnitState | None) -> None:
         """Issue ``state``'s all-gather if it is sharded (used for its own gather and for prefetch)."""
@@ -131,6 +133,7 @@ class RootContext:
             handle = state.handle
             if self.root.join is not None and handle.state is HandleState.SHARDED and handle.shard_world > 1:
                 self.root.join.announce(self, state)  # see [Note: joining uneven evaluation loops]
+            handle.where = (state.path, "backward" if self.callback_queued else "forward", self.step)
             handle.unshard(self.streams, self.limiter)
 
     def prefetch_backward(self, state: UnitState | None) -> None:
@@ -169,6 +172,7 @@ class RootContext:
             if handle.has_unsynced and not handle.grad_this_backward:
                 leftover = handle.with_unsynced(leftover)  # kept by no_sync; unused in this backward
             if leftover is not None:
+                handle.where = (handle.where[0] if handle.where else "?", "end of backward", self.step)
                 handle.finish_grad(handle.reduce_grad(leftover, self.streams), self.streams)
         reduced = [h for h in self.handles if h.grad_this_backward]
         for handle, used in zip(reduced, _used_anywhere(reduced)):
@@ -188,6 +192,8 @@ def _used_anywhere(handles: list[FlatParamHandle]) -> list[list[bool]]:
 
     One small all-reduce per group (usually one per backward), so ranks agree on which parameters keep
     ``grad=None``. All ranks run the same units (their forwards all-gather), so ``handles`` agree too.
+    On CUDA it costs no host synchronization when every parameter got a gradient on this rank (the common
+    case): the flags are copied from pinned memory and the result, known to be all ones, is not read.
     """
     flags = [h.used_flags() for h in handles]
     if not handles or not (dist.is_available() and dist.is_initialized()):
@@ -198,16 +204,20 @@ def _used_anywhere(handles: list[FlatParamHandle]) -> list[list[bool]]:
             by_group.setdefault((id(h.shard_group), id(h.replicate_group)), []).append(i)
     for members in by_group.values():
         first = handles[members[0]]
-        packed = torch.tensor(
-            [int(f) for i in members for f in flags[i]], dtype=torch.int32, device=first.device
-        )
+        local = [int(f) for i in members for f in flags[i]]
+        packed = torch.tensor(local, dtype=torch.int32)
+        if first.device.type == "cuda":  # queued behind the backward: no host sync to copy it over
+            packed = packed.pin_memory().to(first.device, non_blocking=True)
         for group, size in (
             (first.shard_group, first.shard_world),
             (first.replicate_group, first.replicate_world),
         ):
             if size > 1 and packed.numel():
                 dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-        values = packed.tolist()
+        # MAX of flags that are all 1 here is all 1: the result need not be read back (a host sync on CUDA,
+        # which would keep the CPU from queueing the optimizer step). Only a rank that left a parameter
+        # without a gradient reads which ranks used it.
+        values = local if all(local) else packed.tolist()
         for i in members:
             n = len(flags[i])
             flags[i], values = [bool(v) for v in values[:n]], values[n:]
@@ -243,6 +253,22 @@ class ForwardCall:
 _PLAIN_FORWARD = ForwardCall()
 
 
+class _OutsideGraphs:
+    """A hook method that dynamo never traces: it runs eagerly, outside compiled graphs (see [Note:
+    torch.compile] in ``flatshard.engine.compile``). The method is wrapped in ``torch.compiler.disable`` when
+    first looked up, so that importing flatshard does not import dynamo; it binds like a method, so copies and
+    pickles of a unit call their own state."""
+
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self.method = method
+        self.wrapped: Callable[..., Any] | None = None
+
+    def __get__(self, state: object, owner: type | None = None) -> Callable[..., Any]:
+        if self.wrapped is None:
+            self.wrapped = torch.compiler.disable(self.method, reason="flatshard's hooks run outside graphs")
+        return self.wrapped if state is None else MethodType(self.wrapped, state)
+
+
 class UnitState:
     """State of one unit (a module passed to or chosen by ``shard()``), stored on the module."""
 
@@ -259,6 +285,7 @@ class UnitState:
         self.call = _PLAIN_FORWARD  # how the current call through this unit's hooks runs (forward_call)
         self.deferred_reshard = False  # kept gathered by a registered method call (ForwardCall.keep_gathered)
         self.join: Any = None  # a root inside flatshard.join: its join.JoinState
+        self.path = type(module).__name__  # the module's path under the module given to shard() (set there)
         self.recompute_inside = False  # a checkpointed module's parameters belong to this unit
         self._recomputing = False  # this forward is a recomputation inside backward
         self._tracked = False  # this forward is recorded in the execution order (a training forward)
@@ -292,6 +319,7 @@ class UnitState:
             s.ctx = ctx
 
     # ------------------------------------------------------------------ forward
+    @_OutsideGraphs
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         if self.summoned is not Summoned.NO:  # see [Note: forward inside unshard_params]
             self._check_summoned_forward()
@@ -323,6 +351,7 @@ class UnitState:
             ctx.streams.refresh_compute()
             if tracked:
                 ctx.order.begin_forward()
+                ctx.step += 1
         if tracked:
             ctx.order.note_pre_forward(self)
         if not in_backward:
@@ -344,6 +373,7 @@ class UnitState:
                 )
         return args, kwargs
 
+    @_OutsideGraphs
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.summoned is not Summoned.NO:  # see [Note: forward inside unshard_params]
             if torch.is_grad_enabled():
@@ -428,6 +458,7 @@ class UnitState:
             tensor.register_hook(self._pre_backward)
 
     # ------------------------------------------------------------------ backward
+    @_OutsideGraphs
     def _pre_backward(self, grad: torch.Tensor) -> None:
         ctx = self.ctx
         if ctx is None:
@@ -449,6 +480,7 @@ class UnitState:
                 with torch.enable_grad():
                     self.handle.use_unsharded_views()
 
+    @_OutsideGraphs
     def _post_backward(self, anchor: torch.Tensor) -> None:
         handle, ctx = self.handle, self.ctx
         if handle is None or ctx is None:
@@ -468,6 +500,7 @@ class UnitState:
                 handle.reshard(ctx.streams, ctx.limiter)
             return
         grad = handle.gradient_to_reduce(grads)
+        handle.where = (self.path, "backward", ctx.step)
         ctx.pending.append((handle, handle.reduce_grad(grad, ctx.streams)))
         if handle.all_require_grad and self.forward_depth == 0:
             handle.reshard(ctx.streams, ctx.limiter)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from flatshard.engine.activation_checkpointing import CheckFn, apply_activation_checkpointing
+from flatshard.engine.compile import seal_enclosing_forwards
 from flatshard.engine.config import ShardingStrategy, ShardOptions
 from flatshard.engine.handle import FlatParamHandle
 from flatshard.engine.materialize import has_meta_tensors, materialize_modules, materialize_unit
@@ -24,7 +25,7 @@ from flatshard.engine.precision import (
 )
 from flatshard.engine.process_groups import resolve_groups
 from flatshard.engine.runtime import STATE_ATTR, UnitState, get_unit_state
-from flatshard.engine.transport import comm
+from flatshard.engine.transport import comm, watchdog
 from flatshard.engine.wrap import plan_units, select_unit_modules
 
 __all__ = ["is_sharded", "no_sync", "shard", "unit_states"]
@@ -84,6 +85,8 @@ def shard(
             "shard inner modules first and the outer module last."
         )
     opts = _options(options, kwargs)
+    watchdog.configure(opts.desync_timeout)  # see [Note: finding a desync]
+    watchdog.start()
     strategy, mp, param_init_fn = opts.sharding_strategy, opts.mixed_precision, opts.param_init_fn
     ignored = _expand_ignored(module, ignored_modules)
     shard_group, replicate_group = resolve_groups(strategy, opts.process_group, opts.shard_group_size)
@@ -117,7 +120,7 @@ def shard(
     for m in full_precision:
         keep_full_precision(m, next((p.dtype for p in m.parameters()), torch.float32))
     full_precision_set = set(full_precision)
-    module_names = {m: n or "<root>" for n, m in module.named_modules()} if deferred else {}
+    module_names = {m: n or "<root>" for n, m in module.named_modules()}
     for plan in plans:
         handle = None
         param_names = [names.get(p, "?") for p in plan.params]
@@ -137,7 +140,8 @@ def shard(
                     None if plan.module in full_precision_set else mp, plan.params[0].dtype
                 ),
             )
-        plan.module.__dict__[STATE_ATTR] = UnitState(plan.module, handle, opts)
+        unit = plan.module.__dict__[STATE_ATTR] = UnitState(plan.module, handle, opts)
+        unit.path = module_names.get(plan.module, unit.path)
     if deferred:  # modules with meta buffers only
         materialize_modules(
             [m for m in module.modules() if m not in ignored], target, param_init_fn, module_names
@@ -146,6 +150,7 @@ def shard(
     cast_buffers(module, mp.buffer_dtype if mp is not None else None, ignored | set(full_precision))
     if opts.activation_checkpointing_policy is not None:
         _checkpoint_inside_units(module, opts.activation_checkpointing_policy, ignored)
+    seal_enclosing_forwards(module)  # see [Note: torch.compile]
     return module
 
 

@@ -11,11 +11,12 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
-    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import Tensor
+
+from flatshard.engine import wait_collective
 
 __all__ = ["barrier", "broadcast_object", "init_process_group", "reduce_tensor", "set_world_ranks"]
 
@@ -67,12 +68,14 @@ def init_process_group(strategy: _ParallelStrategy) -> None:
 
 
 def barrier(root_device: torch.device) -> None:
+    """All ranks meet here; a rank out of step raises ``DesyncError`` (see [Note: finding a desync])."""
     if not _distributed_is_initialized():
         return
-    if torch.distributed.get_backend() == "nccl":
-        torch.distributed.barrier(device_ids=[root_device.index])
+    if "nccl" in str(torch.distributed.get_backend()):
+        work = torch.distributed.barrier(async_op=True, device_ids=[root_device.index])
     else:
-        torch.distributed.barrier()
+        work = torch.distributed.barrier(async_op=True)
+    wait_collective(work, "the strategy's barrier")
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
@@ -84,7 +87,31 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 
 def reduce_tensor(tensor: Tensor | Any, group: Any | None, reduce_op: Any | None) -> Any:
-    """Reduce a tensor over ``group`` (default: all ranks); anything else passes through unchanged."""
-    if isinstance(tensor, Tensor):
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-    return tensor
+    """Reduce a tensor in place over ``group`` (default: all ranks), as Lightning's DDP and FSDP strategies do
+    (a barrier, then the all-reduce; ``"mean"``/``"avg"`` divide a sum on backends without AVG); anything but a
+    tensor passes through unchanged.
+
+    Both collectives are waited on like flatshard's own, so a rank that reached its epoch-end reduction while
+    another still trains raises ``DesyncError`` naming both (see [Note: finding a desync]).
+    """
+    if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+        return tensor
+    dist = torch.distributed
+    group = dist.group.WORLD if group is None else group
+    divide = False
+    op = dist.ReduceOp.SUM if reduce_op is None else reduce_op
+    if isinstance(reduce_op, str):
+        name = "avg" if reduce_op.lower() == "mean" else reduce_op.lower()
+        if name == "avg" and "nccl" not in str(dist.get_backend(group)):
+            op, divide = dist.ReduceOp.SUM, True  # gloo has no AVG
+        else:
+            op = getattr(dist.ReduceOp, name.upper())
+    wait_collective(
+        dist.barrier(group=group, async_op=True), "the barrier before a logged value's reduction", group
+    )
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    wait_collective(work, "the all_reduce of a logged value (sync_dist)", group)
+    if not divide:
+        return tensor
+    world = dist.get_world_size(group)
+    return tensor.div_(world) if torch.is_floating_point(tensor) else tensor.copy_(tensor / world)

@@ -45,6 +45,7 @@ from flatshard.engine import (
     ShardingStrategy,
     check_full_model_state_dict,
     clip_grad_norm_params_,
+    compile_units,
     convert_full_optim_state_dict,
     full_model_state_dict,
     full_optim_state_dict,
@@ -116,7 +117,11 @@ class _NoSyncControl(_BackwardSyncControl):
 
 class FlatShardFabricStrategy(ParallelStrategy):
     """Fabric counterpart of :class:`flatshard.FlatShardStrategy`: the same arguments except
-    ``grad_accumulation`` (a Fabric loop chooses per backward with ``fabric.no_backward_sync(model)``)."""
+    ``grad_accumulation`` (a Fabric loop chooses per backward with ``fabric.no_backward_sync(model)``).
+
+    With ``compile``, the module given to ``fabric.setup`` is compiled too when it is the only unit;
+    ``fabric.setup(torch.compile(model))`` compiles each unit's forward the same way (see [Note: torch.compile]).
+    """
 
     def __init__(
         self,
@@ -142,6 +147,8 @@ class FlatShardFabricStrategy(ParallelStrategy):
         process_group: Any | None = None,
         device_mesh: Any | None = None,
         start_method: Literal["popen", "spawn"] = "popen",
+        compile: bool | dict[str, Any] = False,
+        desync_timeout: float | timedelta | None = 60.0,
     ) -> None:
         # Options first: the precision setter, called by the base __init__, checks the flag against them.
         self.options = StrategyOptions.from_arguments(locals())
@@ -230,6 +237,9 @@ class FlatShardFabricStrategy(ParallelStrategy):
                 self.num_nodes * self.num_processes,
             )
             shard(module, options)
+        if self.options.compile is not None:  # see [Note: torch.compile]
+            compiled = compile_units(module, self.options.compile)
+            log.debug("flatshard: compiled %d units", len(compiled))
         if generate := register_generate(module):  # see [Note: methods other than forward]
             log.debug("flatshard: generate() registered to gather on %s", generate)
         self._sharded_modules.append(module)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from flatshard.engine import MixedPrecision, OptionErrors, ShardOptions
+from flatshard.engine import MixedPrecision, OptionErrors, ShardOptions, compile_kwargs
 
 __all__ = ["StrategyOptions"]
 
@@ -79,6 +79,7 @@ class StrategyOptions:
     start_method: str = "popen"
     grad_accumulation: str = "sharded"
     device_mesh: Any = None  # hybrid: (replicas, ranks per shard group) or a 2-D DeviceMesh
+    compile: Any = False  # False / True / torch.compile kwargs; after validation: None (off) or the kwargs
 
     def __post_init__(self) -> None:
         errors = OptionErrors("flatshard strategy")
@@ -93,8 +94,10 @@ class StrategyOptions:
         )
         mesh = errors.check(_check_device_mesh, self.device_mesh)
         errors.check(_check_hybrid_layout, self.shard, mesh)
+        compile_kwargs_ = errors.check(compile_kwargs, self.compile)  # see [Note: torch.compile]
         errors.raise_if_any()
         object.__setattr__(self, "device_mesh", mesh)
+        object.__setattr__(self, "compile", compile_kwargs_)
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any]) -> StrategyOptions:

@@ -3,21 +3,25 @@
 [Note: precision flags]
 - ``"32-true"``: everything in fp32.
 - ``"bf16-mixed"`` / ``"16-mixed"``: fp32 shards (master weights, optimizer, checkpoints); each unit is
-  gathered and computes in bf16 / fp16 (half the all-gather bytes), gradients are reduced in fp32, and
-  the step runs under ``torch.autocast`` so numerically sensitive ops (softmax, norms, losses) run in
-  fp32. ``"16-mixed"`` scales the loss with :class:`FlatShardGradScaler`, whose inf/NaN check agrees
+  gathered and computes in bf16 / fp16 (half the all-gather bytes), gradients are reduced in bf16 / fp16
+  (half the reduce-scatter bytes, and no fp32 copy of the unsharded gradient; Lightning's FSDP strategy
+  does the same) and accumulated into fp32 gradient shards, and the step runs under ``torch.autocast``
+  so numerically sensitive ops (softmax, norms, losses) run in fp32. To reduce in fp32 (exact sums over
+  many ranks, at twice the bytes), pass ``mixed_precision=MixedPrecision(reduce_dtype=torch.float32)``:
+  dtypes left unset in a given ``MixedPrecision`` take the flag's. ``"16-mixed"`` scales the loss with :class:`FlatShardGradScaler`, whose inf/NaN check agrees
   across ranks, so every rank skips the same steps.
 - ``"bf16-true"`` / ``"16-true"``: the model is cast to the low dtype before sharding (built in it under
   ``init_module``); there is no fp32 copy. Inputs are cast to the dtype, outputs back to fp32.
 
-A ``mixed_precision=`` given to the strategy replaces the dtypes a mixed flag implies (autocast and the
-scaler stay).
+A ``mixed_precision=`` given to the strategy replaces the dtypes a mixed flag implies, field by field: what it
+leaves unset keeps the flag's (autocast and the scaler stay).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import replace
 from typing import Any, Literal, cast
 
 import torch
@@ -63,6 +67,18 @@ class FlatShardGradScaler(torch.amp.GradScaler):
         self.process_group = process_group
 
     @override
+    def _unscale_grads_(
+        self, optimizer: Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
+    ) -> dict[torch.device, Tensor]:
+        # torch copies inv_scale and found_inf to each gradient's device with non_blocking=True, and the CPU
+        # kernel reads the copies at once: for CPU gradients (CPU offload) of a CUDA scale that read may come
+        # before the copy lands, so an overflowing step would not be skipped. Hand such gradients CPU values
+        # made by a synchronous copy; the copies to CUDA gradients (from pageable memory) stay safe.
+        if inv_scale.device.type != "cpu" and _has_cpu_grads(optimizer):
+            inv_scale, found_inf = inv_scale.cpu(), found_inf.cpu()
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)  # type: ignore[no-any-return]
+
+    @override
     def unscale_(self, optimizer: Optimizer) -> None:
         if not self._enabled:
             return
@@ -81,6 +97,14 @@ class FlatShardGradScaler(torch.amp.GradScaler):
             found[any_inf.device] = any_inf.clone()
         for value in found.values():
             value.copy_(any_inf.to(value.device))
+
+
+def _has_cpu_grads(optimizer: Optimizer) -> bool:
+    return any(
+        p.grad is not None and p.grad.device.type == "cpu"
+        for group in optimizer.param_groups
+        for p in group["params"]
+    )
 
 
 def _convert(data: Any, dtype: torch.dtype) -> Any:
@@ -265,7 +289,13 @@ def mixed_precision_for(flag: str, given: MixedPrecision | None = None) -> Mixed
     low_name, kind = flag.split("-")
     low = _LOW[low_name]
     if given is None:
-        return MixedPrecision(param_dtype=low, reduce_dtype=torch.float32) if kind == "mixed" else None
+        return MixedPrecision(param_dtype=low, reduce_dtype=low) if kind == "mixed" else None
+    if kind == "mixed" and low != torch.float32:  # unset dtypes: what the flag stands for
+        given = replace(
+            given,
+            param_dtype=given.param_dtype or low,
+            reduce_dtype=given.reduce_dtype or given.param_dtype or low,
+        )
     param = given.param_dtype
     if param is None or low == torch.float32 or param == low:
         return given

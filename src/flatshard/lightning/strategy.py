@@ -30,6 +30,7 @@ from flatshard.engine import (
     CPUOffload,
     MixedPrecision,
     ShardingStrategy,
+    compile_units,
     full_model_state_dict,
     full_optim_state_dict,
     is_sharded,
@@ -87,7 +88,8 @@ class FlatShardStrategy(ParallelStrategy):
             state in CPU memory (pinned with CUDA); the optimizer steps on CPU. Default: ``None``.
         mixed_precision: a ``flatshard.MixedPrecision`` (or a mapping of its fields): the dtypes units gather,
             compute and reduce in. Default: what ``Trainer(precision=...)`` implies (``"bf16-mixed"``: bf16
-            compute, fp32 reduction and shards); given explicitly, it replaces those dtypes.
+            compute and reduction, fp32 shards); given explicitly, its fields replace those dtypes and the
+            fields it leaves unset keep them (``MixedPrecision(reduce_dtype=torch.float32)``: fp32 reduction).
         limit_all_gathers: rate-limit all-gathers so at most two unsharded buffers are pending (CUDA).
             Default: ``True``.
         backward_prefetch: ``"BACKWARD_PRE"`` (default: gather the next unit before the current unit's
@@ -112,8 +114,17 @@ class FlatShardStrategy(ParallelStrategy):
         device_mesh: hybrid strategies: ``(replicas, ranks per shard group)`` or a 2-D ``DeviceMesh``
             (dim 0 replicates, dim 1 shards). Give at most one of these three.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default: by device.
-        timeout: process-group timeout.
+        timeout: process-group timeout: how long a collective may wait before the backend gives up.
+        desync_timeout: seconds without progress after which ranks whose collectives no longer pair up (a rank
+            skipped a training batch, ran another branch, or waits in a collective of its own) raise
+            ``flatshard.DesyncError`` naming where each rank waits, instead of hanging until ``timeout``. A
+            slow rank is never reported. ``None``: never report. Default: 60.
         start_method: ``"popen"`` (default: the script is re-run per rank, like ``ddp``) or ``"spawn"``.
+        compile: compile each unit that has no unit inside it, in place after sharding (``unit.compile()``), with
+            flatshard's hooks outside the compiled graphs. ``True``: ``torch.compile``'s defaults; a dict: its
+            keyword arguments (``{"mode": "max-autotune"}``, ``{"backend": "aot_eager"}``). The LightningModule
+            itself is never compiled (its forward runs the steps), so set ``auto_wrap_policy``. A unit compiled
+            already (``block.compile()`` in ``configure_model``) keeps its settings. Default: ``False``.
     """
 
     strategy_name = "flatshard"
@@ -153,6 +164,8 @@ class FlatShardStrategy(ParallelStrategy):
         process_group: Any | None = None,
         device_mesh: Any | None = None,
         start_method: Literal["popen", "spawn"] = "popen",
+        compile: bool | dict[str, Any] = False,
+        desync_timeout: float | timedelta | None = 60.0,
     ) -> None:
         # Options first: the precision setter, called by the base __init__, checks the flag against them.
         self.options = StrategyOptions.from_arguments(locals())
@@ -291,6 +304,9 @@ class FlatShardStrategy(ParallelStrategy):
                 self.root_device, config, self.num_processes, self.num_nodes * self.num_processes
             )
             shard(model, options)
+        if self.options.compile is not None:  # see [Note: torch.compile]
+            compiled = compile_units(model, self.options.compile, root=False)
+            log.debug("flatshard: compiled %d units", len(compiled))
         if generate := register_generate(model):  # see [Note: methods other than forward]
             log.debug("flatshard: generate() registered to gather on %s", generate)
         return model

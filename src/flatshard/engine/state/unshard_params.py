@@ -94,11 +94,15 @@ def _enter(handle: FlatParamHandle, rank0_only: bool, offload_to_cpu: bool, with
 def _broadcast_from_rank0(
     handle: FlatParamHandle, full: torch.Tensor | None, like: torch.Tensor
 ) -> torch.Tensor:
-    """Rank 0's flat tensor on every rank of the shard group (a temporary buffer elsewhere)."""
+    """Rank 0's flat tensor on every rank of the shard group (a temporary buffer elsewhere).
+
+    The broadcast runs on the compute device: with CPU offload the shards are CPU tensors, which NCCL
+    refuses. The result is on the compute device; callers copy their slice into the shard.
+    """
     if full is None:
-        full = torch.empty(handle.layout.padded_numel, dtype=like.dtype, device=like.device)
+        full = torch.empty(handle.layout.padded_numel, dtype=like.dtype, device=handle.device)
     else:
-        full = full.to(like.device)
+        full = full.to(handle.device)
     if handle.shard_world > 1 and handle.shard_group is not None:
         src = dist.get_global_rank(handle.shard_group, 0)
         dist.broadcast(full, src=src, group=handle.shard_group)
@@ -106,9 +110,17 @@ def _broadcast_from_rank0(
 
 
 def _sync_replicas(handle: FlatParamHandle, shard: torch.Tensor) -> None:
+    """Replica groups take shard-group rank 0's replica's values (rank0_only writeback changed only theirs).
+
+    Broadcast on the compute device, as above: an offloaded shard goes over and comes back as a copy."""
     if handle.replicate_world > 1 and handle.replicate_group is not None:
         src = dist.get_global_rank(handle.replicate_group, 0)
-        dist.broadcast(shard, src=src, group=handle.replicate_group)
+        if shard.device == handle.device:
+            dist.broadcast(shard, src=src, group=handle.replicate_group)
+            return
+        staged = shard.to(handle.device)
+        dist.broadcast(staged, src=src, group=handle.replicate_group)
+        shard.copy_(staged)
 
 
 def _write_slice(handle: FlatParamHandle, full: torch.Tensor, shard: torch.Tensor) -> None:

@@ -6,7 +6,9 @@ that is what lets communication overlap compute, on CUDA streams and on CPU/gloo
 
 Quirks handled here:
 - gloo has no AVG reduction: reductions are SUM and the caller divides (``divide_factor``).
-- older torch builds lack gloo ``reduce_scatter_tensor``: fall back to all-reduce + local slice.
+- older torch builds lack gloo ``reduce_scatter_tensor``: fall back to all-reduce + local slice, with
+  one warning (the fallback moves twice the bytes); only an error that says the operation is not
+  supported or implemented selects it, any other error is raised.
 - newer torch builds rename ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``*_single``.
 - CPU tensors of ranks on one host go through shared memory instead of the backend (see
   [Note: shared-memory collectives] in :mod:`flatshard.engine.transport.shm`).
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -24,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from flatshard.engine.transport import memory, shm
+from flatshard.engine.transport import memory, shm, watchdog
 from flatshard.engine.transport.pieces import FlatPieces
 
 __all__ = [
@@ -37,6 +40,8 @@ __all__ = [
     "reduce_scatter_flat",
     "timeline",
 ]
+
+log = logging.getLogger("flatshard")
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; typed loosely for older torch stubs
 
@@ -109,15 +114,16 @@ class Pending(NamedTuple):
     output: torch.Tensor
     work: Any | None  # torch.distributed.Work, or None when already complete
     timing: CollectiveTiming | None = None  # inside comm.timeline()
+    label: watchdog.Label | None = None  # what a desync report says of it
 
     def wait(self) -> torch.Tensor:
         if self.work is None:
             return self.output
         if self.timing is None:
-            self.work.wait()
+            _wait(self.work, self.label, self.output)
             return self.output
         start = time.perf_counter_ns()
-        self.work.wait()
+        _wait(self.work, self.label, self.output)
         self.timing.waited.append((start, time.perf_counter_ns()))
         ended = getattr(self.work, "ended_ns", None)  # a ShmWork: when its worker ran it
         if self.timing.busy is None and ended:
@@ -125,17 +131,66 @@ class Pending(NamedTuple):
         return self.output
 
 
-def _issued(kind: str, nbytes: int, output: torch.Tensor, work: Any, async_op: bool) -> Pending:
+def _wait(work: Any, label: watchdog.Label | None, output: torch.Tensor) -> None:
+    """Wait for a backend's work; a gloo wait on the CPU is sliced so a desync is reported, not a hang.
+
+    See [Note: finding a desync]. A shared-memory work's own worker does the looking; a CUDA work's
+    ``wait`` only orders streams and never blocks the CPU.
+    """
+    if isinstance(work, shm.ShmWork) or output.device.type != "cpu" or watchdog.limit() is None:
+        work.wait()
+        return
+    if label is not None and label.kind == "reduce_scatter":
+        # gloo's reduce_scatter runs inside wait() (it never completes on its own, and ignores a wait
+        # timeout): publish the position first, so a desync report names it, then block. The ranks that
+        # raise leave, which ends this wait with an error; it is reported as the desync it was.
+        watchdog.blocked(label, time.monotonic())
+        try:
+            work.wait()
+        except RuntimeError as err:
+            if watchdog.verdict() is not None:
+                raise watchdog.DesyncError(watchdog.verdict()) from err
+            raise
+        finally:
+            watchdog.unblocked()
+        return
+    watchdog.wait_sliced(work, label)
+
+
+# Per process group (by id, the group kept to detect reuse of an id): its global ranks and the number of
+# flat collectives issued on it, for the labels of [Note: finding a desync].
+_GROUP_SEQ: dict[int, tuple[Any, tuple[int, ...], list[int]]] = {}
+
+
+def _label(
+    kind: str, tensor: torch.Tensor, numel: int, group: ProcessGroup | None, where: Any
+) -> watchdog.Label:
+    pg = group if group is not None else dist.group.WORLD
+    entry = _GROUP_SEQ.get(id(pg))
+    if entry is None or entry[0] is not pg:
+        entry = _GROUP_SEQ[id(pg)] = (pg, tuple(dist.get_process_group_ranks(pg)), [0])
+    entry[2][0] += 1
+    return watchdog.Label(kind, numel, str(tensor.dtype).removeprefix("torch."), entry[1], entry[2][0], where)
+
+
+def _issued(
+    kind: str,
+    nbytes: int,
+    output: torch.Tensor,
+    work: Any,
+    async_op: bool,
+    label: watchdog.Label | None = None,
+) -> Pending:
     """Count the bytes; time the collective inside :func:`timeline`; wait now unless ``async_op``."""
     comm_stats[kind] += nbytes
     timing = None
     if _timeline is not None:
         timing = CollectiveTiming(kind, nbytes, time.perf_counter_ns())
         _timeline.append(timing)
-    pending = Pending(output, work, timing)
+    pending = Pending(output, work, timing, label)
     if not async_op and work is not None:
         pending.wait()
-        return Pending(output, None, timing)
+        return Pending(output, None, timing, label)
     return pending
 
 
@@ -161,25 +216,38 @@ def reads_pieces(group: ProcessGroup | None) -> bool:
 
 
 def all_gather_flat(
-    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None, async_op: bool = True
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: ProcessGroup | None,
+    async_op: bool = True,
+    where: tuple[str, str, int] | None = None,
 ) -> Pending:
-    """Gather every rank's ``shard`` into ``output`` (``len(output) == world * len(shard)``)."""
+    """Gather every rank's ``shard`` into ``output`` (``len(output) == world * len(shard)``).
+
+    ``where`` (unit path, phase, training step) names the collective in a desync report (see [Note:
+    finding a desync]); the same holds for the other collectives.
+    """
     if output.numel() != shard.numel() * _group_size(group):
         raise ValueError(
             f"all_gather_flat: output has {output.numel()} elements, expected "
             f"{shard.numel()} x {_group_size(group)}."
         )
     nbytes = shard.numel() * shard.element_size()
+    label = _label("all_gather", shard, shard.numel(), group, where)
     channel = _shm_for(group, output, shard)
     if channel is not None:
-        work = channel.all_gather(output, shard)
+        work = channel.all_gather(output, shard, label=label)
     else:
         work = _all_gather_base(output, shard, group=group, async_op=True)
-    return _issued("all_gather", nbytes, output, work, async_op)
+    return _issued("all_gather", nbytes, output, work, async_op, label)
 
 
 def reduce_scatter_flat(
-    output: torch.Tensor, full: torch.Tensor | FlatPieces, group: ProcessGroup | None, async_op: bool = True
+    output: torch.Tensor,
+    full: torch.Tensor | FlatPieces,
+    group: ProcessGroup | None,
+    async_op: bool = True,
+    where: tuple[str, str, int] | None = None,
 ) -> Pending:
     """Sum ``full`` over ranks and keep this rank's slice in ``output``.
 
@@ -192,38 +260,63 @@ def reduce_scatter_flat(
             f"reduce_scatter_flat: input has {full.numel()} elements, expected {output.numel()} x {world}."
         )
     nbytes = full.numel() * full.element_size()
+    label = _label("reduce_scatter", output, full.numel(), group, where)
     if isinstance(full, FlatPieces):
         channel = _shm_for(group, output) if full.device.type == "cpu" else None
         if channel is not None:
-            return _issued("reduce_scatter", nbytes, output, channel.reduce_scatter(output, full), async_op)
+            work = channel.reduce_scatter(output, full, label=label)
+            return _issued("reduce_scatter", nbytes, output, work, async_op, label)
         full = full.materialize(memory.empty_flat(full.numel(), full.dtype, full.device))
     channel = _shm_for(group, output, full)
     if channel is not None:
-        return _issued("reduce_scatter", nbytes, output, channel.reduce_scatter(output, full), async_op)
+        work = channel.reduce_scatter(output, full, label=label)
+        return _issued("reduce_scatter", nbytes, output, work, async_op, label)
     backend = str(dist.get_backend(group))
     if backend not in _NO_NATIVE_REDUCE_SCATTER:
         try:
             work = _reduce_scatter_base(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
-            return _issued("reduce_scatter", nbytes, output, work, async_op)
+            return _issued("reduce_scatter", nbytes, output, work, async_op, label)
         except (RuntimeError, NotImplementedError) as err:  # pragma: no cover - depends on torch build
-            if "support" not in str(err).lower():
+            if not _unsupported(err):
                 raise
             _NO_NATIVE_REDUCE_SCATTER.add(backend)
+            log.warning(
+                "flatshard: the %r backend has no reduce_scatter (%s); gradients are reduced with all_reduce "
+                "and sliced from now on in this process, which moves twice the bytes (%d per reduction of "
+                "this size). HINT: use a torch build whose backend implements reduce_scatter_tensor, or NCCL.",
+                backend,
+                str(err).splitlines()[0][:200],
+                2 * nbytes,
+            )
     # Fallback: all-reduce in place, then copy our slice (twice the traffic, same result).
-    pending = _issued(
-        "reduce_scatter", nbytes, full, dist.all_reduce(full, group=group, async_op=True), False
-    )
+    work = dist.all_reduce(full, group=group, async_op=True)
+    pending = _issued("reduce_scatter", nbytes, full, work, False, label)
     rank = dist.get_rank(group)
     output.copy_(pending.output[rank * output.numel() : (rank + 1) * output.numel()])
-    return Pending(output, None, pending.timing)
+    return Pending(output, None, pending.timing, label)
 
 
-def all_reduce_flat(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool = True) -> Pending:
+def _unsupported(err: BaseException) -> bool:
+    """Whether a backend refused a collective because it does not implement it (not any other failure)."""
+    text = str(err).lower()
+    return any(
+        phrase in text
+        for phrase in ("not supported", "does not support", "unsupported", "not implemented", "no support")
+    )
+
+
+def all_reduce_flat(
+    tensor: torch.Tensor,
+    group: ProcessGroup | None,
+    async_op: bool = True,
+    where: tuple[str, str, int] | None = None,
+) -> Pending:
     """Sum ``tensor`` over ``group`` in place."""
     nbytes = tensor.numel() * tensor.element_size()
+    label = _label("all_reduce", tensor, tensor.numel(), group, where)
     channel = _shm_for(group, tensor)
     if channel is not None:
-        work = channel.all_reduce(tensor)
+        work = channel.all_reduce(tensor, label=label)
     else:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return _issued("all_reduce", nbytes, tensor, work, async_op)
+    return _issued("all_reduce", nbytes, tensor, work, async_op, label)

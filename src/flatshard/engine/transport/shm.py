@@ -24,8 +24,10 @@ all-reduce of CPU tensors):
 * Each slot's header records the collective, its size and dtype: ranks that issued different
   collectives get an error naming both, not corrupt data.
 * A peer that exited or stopped publishing is reported (rank, pid, collective) instead of a hang:
-  waits wake every half second to check that every peer process is alive, and give up after
-  ``timeout`` seconds.
+  waits wake every half second to check that every peer process is alive and whether the ranks are
+  known to be out of step (see [Note: finding a desync]), and give up after ``timeout`` seconds.
+  The header also carries, per slot, where the collective was issued (unit, phase, step), so a
+  mismatch names both sides' positions.
 
 The transport is agreed on once per group by all its ranks (one object collective on first use), so
 a rank that cannot create or map a segment makes every rank use gloo, never hang. Segments are
@@ -55,6 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flatshard.engine.transport import watchdog
 from flatshard.engine.transport.memory import libc
 from flatshard.engine.transport.pieces import FlatPieces
 
@@ -76,6 +79,8 @@ _SHM_DIR = "/dev/shm"
 _HEADER = 4096  # bytes before the slots: the published counter and one record per slot
 _SEQ_OFFSET = 0  # int32: the last step this rank published
 _SLOT_RECORD = (64, 128)  # int64[3] per slot: collective code, numel, dtype index
+_SLOT_LABEL = (1024, 2048)  # per slot: where the collective was issued (UTF-8, NUL-terminated)
+_LABEL_BYTES = 1024
 DEFAULT_SLOT_BYTES = 2 << 20
 DEFAULT_TIMEOUT_S = 1800.0
 
@@ -176,6 +181,15 @@ class Segment:
         assert self._map is not None
         return (ctypes.c_int64 * n).from_buffer(self._map, offset)
 
+    def write(self, offset: int, data: bytes) -> None:
+        assert self._map is not None
+        self._map[offset : offset + len(data)] = data
+
+    def read_cstring(self, offset: int, limit: int) -> str:
+        assert self._map is not None
+        raw = self._map[offset : offset + limit]
+        return raw.split(b"\0", 1)[0].decode(errors="replace")
+
     def close(self) -> None:
         self.bytes = None
         if self._map is not None:
@@ -262,6 +276,8 @@ class ShmGroup:
             r: tuple(seg.int64s(off, 3) for off in _SLOT_RECORD) for r, seg in self._segments.items()
         }
         self._step = 0
+        self._label: watchdog.Label | None = None  # the collective the worker runs
+        self._label_bytes = b"\0"
         self._futex = _futex()
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._broken: BaseException | None = None
@@ -270,38 +286,50 @@ class ShmGroup:
 
     # -- issuing -----------------------------------------------------------------------------------
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> ShmWork:
-        """Every rank's ``shard`` into ``output`` (1-D, ``world * len(shard)`` elements), in rank order."""
-        return self._issue(self._all_gather, output, shard)
+    def all_gather(
+        self, output: torch.Tensor, shard: torch.Tensor, label: watchdog.Label | None = None
+    ) -> ShmWork:
+        """Every rank's ``shard`` into ``output`` (1-D, ``world * len(shard)`` elements), in rank order.
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor | FlatPieces) -> ShmWork:
+        ``label`` (any of the collectives) names it in error messages (see [Note: finding a desync])."""
+        return self._issue(self._all_gather, label, output, shard)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, full: torch.Tensor | FlatPieces, label: watchdog.Label | None = None
+    ) -> ShmWork:
         """The sum over ranks of slice ``rank`` of ``full`` into ``output`` (``len(full) = world * len(output)``).
 
         ``full`` may be given as :class:`FlatPieces` (a gradient still in autograd's per-parameter tensors):
         each step copies its part straight into the slot, so no packed copy of it is ever made, and the
         pieces are released as soon as the collective is done.
         """
-        return self._issue(self._reduce_scatter, output, full)
+        return self._issue(self._reduce_scatter, label, output, full)
 
-    def all_reduce(self, tensor: torch.Tensor) -> ShmWork:
+    def all_reduce(self, tensor: torch.Tensor, label: watchdog.Label | None = None) -> ShmWork:
         """The sum over ranks of ``tensor``, in place (every rank adds in rank order: equal results)."""
-        return self._issue(self._all_reduce, tensor)
+        return self._issue(self._all_reduce, label, tensor)
 
-    def _issue(self, fn: Callable[..., None], *tensors: torch.Tensor | FlatPieces) -> ShmWork:
+    def _issue(
+        self, fn: Callable[..., None], label: watchdog.Label | None, *tensors: torch.Tensor | FlatPieces
+    ) -> ShmWork:
         work = ShmWork()
         if self._broken is not None:  # an earlier collective failed: the ranks are out of step
-            work._finish(RuntimeError(f"flatshard shared-memory collectives stopped: {self._broken}"))
+            work._finish(_stopped(self._broken))
             return work
-        self._queue.put((fn, tensors, work))
+        self._queue.put((fn, label, tensors, work))
         return work
 
     def _run(self) -> None:
         while True:
-            fn, tensors, work = self._queue.get()
+            fn, label, tensors, work = self._queue.get()
             if self._broken is not None:
-                work._finish(RuntimeError(f"flatshard shared-memory collectives stopped: {self._broken}"))
+                work._finish(_stopped(self._broken))
                 continue
             work.started_ns = time.perf_counter_ns()
+            self._label = label
+            self._label_bytes = (label.describe() if label is not None else "").encode()[
+                : _LABEL_BYTES - 1
+            ] + b"\0"
             try:
                 fn(*tensors)
             except BaseException as err:  # reported to the waiter, and to every later collective
@@ -309,7 +337,9 @@ class ShmGroup:
                 work._finish(err)
             else:
                 work._finish()
-            del fn, tensors, work  # no reference outlives the collective
+            finally:
+                watchdog.unblocked()
+            del fn, tensors, work, label  # no reference outlives the collective
 
     # -- steps -------------------------------------------------------------------------------------
 
@@ -327,6 +357,7 @@ class ShmGroup:
         mine = (op, numel, DTYPES.index(dtype))
         record = self._records[self.rank][slot]
         record[0], record[1], record[2] = mine
+        self._segments[self.rank].write(_SLOT_LABEL[slot], self._label_bytes)
         seq = self._seq[self.rank]
         seq.value = target if target < 0x80000000 else target - 0x100000000
         if self._futex is not None:
@@ -336,7 +367,7 @@ class ShmGroup:
                 self._wait_for(r, target, op, numel, dtype)
                 theirs = tuple(self._records[r][slot])
                 if theirs != mine:
-                    raise RuntimeError(self._mismatch(r, theirs, op, numel, dtype))
+                    raise watchdog.DesyncError(self._mismatch(r, slot, theirs, op, numel, dtype))
 
     def _wait_for(self, r: int, target: int, op: int, numel: int, dtype: torch.dtype) -> None:
         word = self._seq[r]
@@ -360,15 +391,20 @@ class ShmGroup:
 
     def _check_peer(self, r: int, start: float, op: int, numel: int, dtype: torch.dtype) -> None:
         what = f"{_OPS[op]} of {numel} {dtype} elements per rank"
+        if self._label is not None:
+            what = self._label.describe()
         try:
             os.kill(self._pids[r], 0)
         except ProcessLookupError:
             raise RuntimeError(
                 f"[rank {self._global_ranks[self.rank]}] rank {self._global_ranks[r]} (pid {self._pids[r]}) "
-                f"exited during a shared-memory {what}. HINT: see that rank's output for its error."
+                f"exited while this rank waited for it in a shared-memory {what}. HINT: if that rank failed, "
+                "see its output for its error; if it finished, it ran fewer training steps or forwards than "
+                "this rank (give every rank the same number of batches)."
             ) from None
         except PermissionError:
             pass
+        watchdog.blocked(self._label, start)
         if time.monotonic() - start > self.timeout:
             raise RuntimeError(
                 f"[rank {self._global_ranks[self.rank]}] waited {self.timeout:.0f} s for rank "
@@ -377,17 +413,23 @@ class ShmGroup:
                 "path) stalls the others."
             )
 
-    def _mismatch(self, r: int, theirs: tuple[int, ...], op: int, numel: int, dtype: torch.dtype) -> str:
-        def describe(code: int, n: int, d: int) -> str:
+    def _mismatch(
+        self, r: int, slot: int, theirs: tuple[int, ...], op: int, numel: int, dtype: torch.dtype
+    ) -> str:
+        def describe(code: int, n: int, d: int, where: str) -> str:
             name = _OPS[code] if 0 <= code < len(_OPS) else f"collective #{code}"
             dt = DTYPES[d] if 0 <= d < len(DTYPES) else f"dtype #{d}"
-            return f"{name} step of {n} {dt} elements"
+            return where or f"{name} of {n} {dt} elements"
 
+        here = self._label_bytes.rstrip(b"\0").decode(errors="replace")
+        there = self._segments[r].read_cstring(_SLOT_LABEL[slot], _LABEL_BYTES)
+        me, peer = self._global_ranks[self.rank], self._global_ranks[r]
         return (
-            f"[rank {self._global_ranks[self.rank]}] ranks issued different collectives: this rank a "
-            f"{describe(op, numel, DTYPES.index(dtype))}, rank {self._global_ranks[r]} a "
-            f"{describe(*theirs)}. HINT: every rank must run the same units in the same order (the same "
-            "forward code path and the same number of forward/backward calls)."
+            f"[rank {me}] ranks issued different collectives:\n"
+            f"  rank {me}: {describe(op, numel, DTYPES.index(dtype), here)}\n"
+            f"  rank {peer}: {describe(theirs[0], theirs[1], theirs[2], there)}\n"
+            "HINT: every rank must run the same units in the same order (the same forward code path and the "
+            "same number of forward/backward calls); for evaluation loops of unequal length use flatshard.join."
         )
 
     def _per_step(self, dtype: torch.dtype, parts: int = 1) -> int:
@@ -439,6 +481,12 @@ class ShmGroup:
             self._publish_and_wait(2, n, dtype)
             # every rank adds the same values (its own from its slot) in the same order: equal results
             _sum_into(tensor[c0:c1], [self._at(r, slot, 0, c1 - c0, dtype) for r in range(self.world)])
+
+
+def _stopped(cause: BaseException) -> BaseException:
+    """The error of a collective issued after an earlier one failed (the ranks are out of step)."""
+    kind = watchdog.DesyncError if isinstance(cause, watchdog.DesyncError) else RuntimeError
+    return kind(f"flatshard shared-memory collectives stopped: {cause}")
 
 
 def _sum_into(out: torch.Tensor, terms: Sequence[torch.Tensor]) -> None:
