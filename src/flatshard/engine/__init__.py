@@ -23,6 +23,7 @@ from flatshard.engine.config import (
     ShardingStrategy,
     ShardOptions,
 )
+from flatshard.engine.ema import ShardedEMA
 from flatshard.engine.forward_methods import is_forward_method, register_forward_method, register_generate
 from flatshard.engine.join import JoinState, begin_join, end_join, join
 from flatshard.engine.runtime import ForwardCall, begin_backward_in_forward, forward_call, regather_in_forward
@@ -67,6 +68,7 @@ __all__ = [
     "ParamShard",
     "Policy",
     "ShardOptions",
+    "ShardedEMA",
     "ShardingStrategy",
     "begin_backward_in_forward",
     "begin_join",

@@ -1,5 +1,6 @@
 """Lightning integration: the Trainer strategy, the Fabric strategy, and their registration."""
 
+from flatshard.lightning.ema import ShardedEMA
 from flatshard.lightning.fabric import FlatShardFabricStrategy
 from flatshard.lightning.precision import FlatShardGradScaler, FlatShardPrecision
 from flatshard.lightning.strategy import FlatShardStrategy
@@ -10,6 +11,7 @@ __all__ = [
     "FlatShardGradScaler",
     "FlatShardPrecision",
     "FlatShardStrategy",
+    "ShardedEMA",
     "register",
 ]
 

@@ -1,0 +1,118 @@
+"""An exponential moving average of a sharded model's weights, kept shard by shard.
+
+[Note: sharded EMA]
+Between steps each parameter of a sharded module holds this rank's piece of its unit's flat parameter
+(see ``flatshard.engine.handle``), so an average of those pieces is an average of the whole model split
+the same way: :class:`ShardedEMA` keeps one fp32 tensor per parameter, shaped like the local piece, and
+updates it with ``ema += (1 - decay) * (param - ema)`` after optimizer steps. Nothing is gathered, and the
+EMA costs one fp32 copy of this rank's shard. Parameters flatshard does not manage (ignored modules) are
+averaged whole, on every rank alike.
+
+- **Evaluation on the EMA** (:meth:`ShardedEMA.swap`): the EMA and the live pieces trade places in place,
+  so forwards gather the EMA weights; swapping again restores the training weights exactly.
+- **Full state** (:meth:`ShardedEMA.full_state_dict`, collective): the EMA weights, consolidated under the
+  model's state-dict names (buffers at their current values), on rank 0 — loadable into the plain model.
+  It swaps the EMA in, gathers as ``get_state_dict`` does, and swaps back.
+- **Loading on any world size** (:meth:`ShardedEMA.load_full_state_dict`): from a full EMA state dict,
+  every rank keeps its slices, as ``set_state_dict`` does for the model (it is used for the slicing, with
+  the training weights put back afterwards).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from flatshard.engine.shard import is_sharded
+from flatshard.engine.state.state_dict import get_state_dict, set_state_dict
+
+__all__ = ["ShardedEMA"]
+
+
+class ShardedEMA:
+    """The EMA of ``module``'s trainable parameters, one fp32 piece per parameter (see [Note: sharded EMA]).
+
+    Args:
+        module: a module sharded with ``flatshard.shard`` (an unsharded module works too: its parameters are
+            whole).
+        decay: the weight of the running average, in ``[0, 1)``: ``ema = decay * ema + (1 - decay) * param``.
+    """
+
+    def __init__(self, module: nn.Module, decay: float) -> None:
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
+            raise ValueError(
+                f"ShardedEMA(decay={decay!r}): decay must be a number in [0, 1). HINT: typical values are 0.999 "
+                "to 0.9999 (an average over about 1/(1 - decay) steps)."
+            )
+        self.module = module
+        self.decay = float(decay)
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.shadow = [p.detach().float().clone() for p in self.params]
+        self.num_updates = 0
+        self.swapped = False
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """Fold the current weights into the average (after an optimizer step); no communication."""
+        if self.swapped:
+            raise RuntimeError(
+                "ShardedEMA.update() while the EMA weights are swapped in. HINT: swap back first (the model "
+                "holds the EMA weights, not the trained ones)."
+            )
+        weight = 1.0 - self.decay
+        for p, s in zip(self.params, self.shadow, strict=True):
+            s.lerp_(p.detach().to(s.dtype), weight)
+        self.num_updates += 1
+
+    @torch.no_grad()
+    def swap(self) -> None:
+        """Exchange the EMA and the live weights in place (call on every rank; again to undo)."""
+        for p, s in zip(self.params, self.shadow, strict=True):
+            kept = p.detach().clone()
+            p.detach().copy_(s)
+            s.copy_(kept)
+        self.swapped = not self.swapped
+
+    @contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """The EMA weights on the model inside the block, the training weights back after it."""
+        if self.swapped:
+            yield
+            return
+        self.swap()
+        try:
+            yield
+        finally:
+            self.swap()
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, Any]:
+        """The consolidated EMA under the model's state-dict names (collective; empty off rank 0 with
+        ``rank0_only``). Values are in the parameters' dtype, on the CPU."""
+        with self.swapped_in():
+            if not is_sharded(self.module):  # whole parameters (DDP, one device): nothing to gather
+                return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+            state, _ = get_state_dict(self.module, rank0_only=rank0_only)
+        return state
+
+    def load_full_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take this rank's slices of a full EMA state dict (any world size; call on every rank with the
+        same ``state``). Missing or unexpected names raise, before anything changes."""
+        if self.swapped:
+            raise RuntimeError("ShardedEMA.load_full_state_dict() while swapped in. HINT: swap back first.")
+        kept = [p.detach().clone() for p in self.params]
+        buffers = {n: b.detach().clone() for n, b in self.module.named_buffers()}
+        if is_sharded(self.module):
+            set_state_dict(self.module, None, state)
+        else:
+            self.module.load_state_dict(state, strict=True)
+        with torch.no_grad():
+            for p, s, k in zip(self.params, self.shadow, kept, strict=True):
+                s.copy_(p.detach())
+                p.detach().copy_(k)
+            for n, b in self.module.named_buffers():  # the EMA does not own buffers: keep the live ones
+                if n in buffers:
+                    b.copy_(buffers[n])

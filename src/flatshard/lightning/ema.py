@@ -1,0 +1,151 @@
+"""``ShardedEMA``: an exponential moving average of the weights as a Lightning callback, kept per shard."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from flatshard.engine import ShardedEMA as _EngineEMA
+
+__all__ = ["ShardedEMA"]
+
+
+class ShardedEMA(Callback):
+    """Keep an exponential moving average of the LightningModule's weights, shard by shard (no gather while
+    training; see [Note: sharded EMA]), evaluate on it, and save it with every checkpoint.
+
+    Works with ``FlatShardStrategy`` (the EMA of each rank's pieces) and with any other strategy whose
+    parameters are whole (DDP, single device).
+
+    - After every ``every_n_steps``-th optimizer step: ``ema = decay * ema + (1 - decay) * weights``.
+    - ``swap_eval=True``: validation and test run on the EMA weights (swapped in place at the loop's start
+      and back at its end, before ``ModelCheckpoint`` saves), so logged metrics are the EMA's. Predict
+      too with ``swap_predict=True``.
+    - Checkpoints (full files and sharded directories) hold the EMA consolidated under the callback's state:
+      ``checkpoint["callbacks"][<state key>]["ema_state_dict"]``, the model's state-dict names mapped to
+      tensors, loadable into the plain model (``flatshard consolidate --ema`` exports them). Resuming on any
+      number of devices restores each rank's slices.
+
+    Args:
+        decay: the running average's weight in ``[0, 1)``. Default: ``0.999``.
+        every_n_steps: update after every n-th optimizer step. Default: ``1``.
+        swap_eval: evaluate (validation and test) on the EMA weights. Default: ``True``.
+        swap_predict: predict on the EMA weights. Default: ``False``.
+    """
+
+    def __init__(
+        self, decay: float = 0.999, every_n_steps: int = 1, swap_eval: bool = True, swap_predict: bool = False
+    ) -> None:
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"ShardedEMA(every_n_steps={every_n_steps!r}) must be a positive int.")
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
+            raise ValueError(
+                f"ShardedEMA(decay={decay!r}): decay must be a number in [0, 1). HINT: typical values are 0.999 "
+                "to 0.9999 (an average over about 1/(1 - decay) steps)."
+            )
+        self.decay = float(decay)
+        self.every_n_steps = every_n_steps
+        self.swap_eval = swap_eval
+        self.swap_predict = swap_predict
+        self.ema: _EngineEMA | None = None
+        self._pending: dict[str, Any] | None = None  # loaded before the model was set up
+        self._last_step = -1
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(decay=self.decay, every_n_steps=self.every_n_steps)
+
+    def _ensure(self, pl_module: pl.LightningModule) -> _EngineEMA:
+        if self.ema is None or self.ema.module is not pl_module:
+            self.ema = _EngineEMA(pl_module, self.decay)
+            if self._pending is not None:
+                state, self._pending = self._pending, None
+                self.ema.load_full_state_dict(state["ema_state_dict"])
+                self.ema.num_updates = int(state.get("num_updates", 0))
+        return self.ema
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._ensure(pl_module)
+        self._last_step = trainer.global_step
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step == self._last_step:  # accumulating: no optimizer step in this batch
+            return
+        self._last_step = step
+        if step % self.every_n_steps == 0:
+            self._ensure(pl_module).update()
+
+    def _swap_in(self, pl_module: pl.LightningModule) -> None:
+        ema = self._ensure(pl_module)
+        if not ema.swapped:
+            ema.swap()
+
+    def _swap_out(self) -> None:
+        if self.ema is not None and self.ema.swapped:
+            self.ema.swap()
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.swap_eval:
+            self._swap_in(pl_module)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._swap_out()
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.swap_eval:
+            self._swap_in(pl_module)
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._swap_out()
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.swap_predict:
+            self._swap_in(pl_module)
+
+    @override
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._swap_out()
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._swap_out()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """Collective (Lightning calls it on every rank when it saves): the consolidated EMA on rank 0."""
+        if self.ema is None:
+            return dict(self._pending) if self._pending is not None else {}
+        if self.ema.swapped:  # a save from inside an evaluation loop: the live weights are in the shadow
+            self.ema.swap()
+            try:
+                state = self.ema.full_state_dict()
+            finally:
+                self.ema.swap()
+        else:
+            state = self.ema.full_state_dict()
+        return {"decay": self.decay, "num_updates": self.ema.num_updates, "ema_state_dict": state}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "ema_state_dict" not in state_dict:
+            return
+        self._pending = dict(state_dict)
+        if self.ema is not None:
+            module, self.ema = self.ema.module, None
+            self._ensure(module)  # type: ignore[arg-type]
