@@ -74,7 +74,11 @@ class _InFlight(NamedTuple):
 
     pending: comm.Pending
     event: Any | None  # recorded on the side stream after the collective; None on CPU
-    keepalive: torch.Tensor | FlatPieces | None  # an input the collective reads, alive until waited for
+    # inputs the side stream reads (one, or a tuple), alive until the compute stream has waited for ``event``
+    keepalive: torch.Tensor | FlatPieces | tuple[torch.Tensor, ...] | None
+    # CPU offload on CUDA: the host buffer the reduced gradient shard is being copied into, readable once
+    # the CPU has waited for the post-backward stream (see [Note: CPU offload])
+    host: torch.Tensor | None = None
 
 
 def _reduce_scatter_into(
@@ -169,9 +173,17 @@ class FlatParamHandle:
     [Note: CPU offload]
     With ``offload`` the shard (pinned when compute is on CUDA) and the gradient shard live in CPU memory,
     and so do the parameters' views, so the optimizer steps on CPU. Each gather first copies the shard
-    to the compute device (cast to the compute dtype in the same copy, on the pre-unshard stream); the
-    reduced gradient shard is copied back before it is accumulated. On a CPU compute device the same
-    path runs with CPU-to-CPU copies, which is what the CPU tests exercise.
+    to the compute device (cast to the compute dtype in the same copy) on the pre-unshard stream, also
+    with a shard group of one rank, where that copy is the whole gather: the compute stream waits for
+    its event, never the CPU. The reduced gradient shard goes back without blocking either: averaged on
+    the device, it is copied into a new pinned host buffer on the post-backward stream, right after its
+    reduction, so no unit's backward waits for the copy (a blocking ``.to("cpu")`` there would stall the
+    CPU in every unit's backward). The CPU reads those buffers only after waiting once, at the end of
+    backward, for all the post-backward stream's work (``CommContext.sync_host``); there they are
+    accumulated into the gradient shard (:meth:`accumulate_host_grads`), before the gradients are
+    assigned and the optimizer reads them. On a CPU compute device the same path runs with CPU-to-CPU
+    copies, which is what the CPU tests exercise; ``tests/fake_streams.py`` checks the CUDA
+    ordering on CPU.
     """
 
     def __init__(
@@ -271,6 +283,9 @@ class FlatParamHandle:
         self._sharded_grad: torch.Tensor | None = None
         self._sharded_grad_ref: Callable[[], torch.Tensor | None] = lambda: None
         self._pending_unshard: _InFlight | None = None  # a gather issued and not yet waited for
+        # CPU offload: reduced gradient shards in host memory (1-D, the kept prefix), accumulated at the end
+        # of backward once the CPU has waited for their copies (see [Note: CPU offload])
+        self._host_grads: list[torch.Tensor] = []
         # (unit path, phase, step) of the next collectives, set by the runtime: see [Note: finding a desync]
         self.where: tuple[str, str, int] | None = None
         # no_sync: gradients stay unsharded and accumulate here, in the gradient dtype, until a backward
@@ -426,8 +441,16 @@ class FlatParamHandle:
             limiter.before_all_gather()  # see [Note: rate limiter]
         memory.alloc_storage(self._gather)  # on the compute stream
         cuda = streams is not None and streams.is_cuda
-        if self.shard_world == 1:  # one rank, mixed precision: the cast is the whole "gather"
-            self._gather.copy_(self._sharded)
+        if self.shard_world == 1:  # one rank, mixed precision or offload: the copy is the whole "gather"
+            if not cuda:
+                self._gather.copy_(self._sharded)
+                return
+            assert streams is not None
+            streams.side_waits_compute(streams.pre_unshard)
+            with streams.on(streams.pre_unshard):  # pinned host memory with offload: see [Note: CPU offload]
+                self._gather.copy_(self._sharded, non_blocking=True)
+            event = streams.record(streams.pre_unshard)
+            self._pending_unshard = _InFlight(comm.Pending(self._gather, None), event, None)
             return
         source = self._sharded
         cast_done = None
@@ -516,36 +539,101 @@ class FlatParamHandle:
         pre, _ = reduce_divisors(self.shard_world * self.replicate_world, reduce_dtype)
         if pre != 1.0:
             flat_grad.div_(pre)
+        collective: Callable[[FlatParamHandle, torch.Tensor, torch.Tensor], comm.Pending] | None
         if self.shard_world == 1:
-            if self.replicate_world == 1:
-                return _InFlight(comm.Pending(flat_grad, None), None, flat_grad)
-            out, collective = flat_grad, _all_reduce_into
+            out, collective = flat_grad, _all_reduce_into if self.replicate_world > 1 else None
         else:
             out = memory.empty_flat(self._sharded.numel(), reduce_dtype, self.device)  # on compute
             collective = _reduce_scatter_into
-        if streams is not None and streams.is_cuda:
-            streams.side_waits_compute(streams.post_backward)
-            with streams.on(streams.post_backward):
+        if streams is None or not streams.is_cuda:
+            pending = collective(self, out, flat_grad) if collective is not None else comm.Pending(out, None)
+            return _InFlight(pending, None, flat_grad)
+        if collective is None and not self.offload:
+            return _InFlight(comm.Pending(out, None), None, flat_grad)
+        # See [Note: stream overlap]: everything below is queued on the post-backward stream, after the
+        # compute stream's work so far; the compute stream waits for its event in finish_grad.
+        scratch = self._cast_scratch(out.dtype) if self.offload else None  # allocated on compute
+        streams.side_waits_compute(streams.post_backward)
+        with streams.on(streams.post_backward):
+            pending = comm.Pending(out, None)
+            if collective is not None:
                 pending = collective(self, out, flat_grad)
-                pending.wait()
-                return _InFlight(pending, streams.record(streams.post_backward), flat_grad)
-        return _InFlight(collective(self, out, flat_grad), None, flat_grad)
+                pending.wait()  # the post-backward stream (not the CPU) waits for the collective
+            if self.shard_world > 1 and self.replicate_world > 1:  # hybrid sharding: across shard groups
+                comm.all_reduce_flat(out, self.replicate_group, where=self.where).wait()
+            host = self._copy_to_host(out, scratch, streams) if self.offload else None
+            event = streams.record(streams.post_backward)
+        keepalive = flat_grad if scratch is None else (flat_grad, scratch)
+        return _InFlight(pending, event, keepalive, host)
 
     def finish_grad(self, inflight: _InFlight, streams: CommContext | None = None) -> None:
-        """Wait for a reduction, average it and accumulate it into the parameters' gradients."""
+        """Wait for a reduction, average it and accumulate it into the parameters' gradients.
+
+        With CPU offload the gradient shard is copied to host memory instead and accumulated by
+        :meth:`accumulate_host_grads` once the CPU has waited for the copies (see [Note: CPU offload]).
+        """
         if inflight.event is not None and streams is not None:
-            streams.wait(inflight.event)
+            streams.wait(inflight.event)  # the compute stream: the reduction (and any copy to host) is done
             grad = inflight.pending.output
         else:
             grad = inflight.pending.wait()
-        if self.shard_world > 1 and self.replicate_world > 1:
-            comm.all_reduce_flat(grad, self.replicate_group, async_op=False, where=self.where)
+            if self.shard_world > 1 and self.replicate_world > 1:  # on CUDA: issued by reduce_grad
+                comm.all_reduce_flat(grad, self.replicate_group, async_op=False, where=self.where)
+        if self.offload:
+            host = inflight.host if inflight.host is not None else self._copy_to_host(grad, None, streams)
+            self._host_grads.append(host)
+            return
         _, post = reduce_divisors(self.shard_world * self.replicate_world, grad.dtype)
-        if grad.dtype != self.precision.grad or grad.device != self.shard_device:
-            grad = grad.to(self.shard_device, self.precision.grad)  # offload: the optimizer steps on CPU
+        if grad.dtype != self.precision.grad:
+            grad = grad.to(self.precision.grad)
         if post != 1.0:
             grad.div_(post)
         self._accumulate(grad)
+
+    def _cast_scratch(self, reduce_dtype: torch.dtype) -> torch.Tensor | None:
+        """A device buffer for casting a reduced shard to the gradient dtype before it is averaged (the
+        order finish_grad uses without offload), or ``None`` when the copy to host can cast by itself."""
+        _, post = reduce_divisors(self.shard_world * self.replicate_world, reduce_dtype)
+        if post == 1.0 or reduce_dtype == self.precision.grad:
+            return None
+        return memory.empty_flat(self._grad_numel, self.precision.grad, self.device)
+
+    def _copy_to_host(
+        self, grad: torch.Tensor, scratch: torch.Tensor | None, streams: CommContext | None
+    ) -> torch.Tensor:
+        """The kept part of a reduced gradient shard, averaged, copied into a new host buffer.
+
+        Runs on the current stream: on CUDA the post-backward one, where the copy does not block the CPU,
+        and the buffer is valid only after the CPU has waited for that stream (see [Note: CPU offload]).
+        ``grad`` (the reduction's own output) may be averaged in place.
+        """
+        _, post = reduce_divisors(self.shard_world * self.replicate_world, grad.dtype)
+        part = grad[: self._grad_numel]
+        if post != 1.0:
+            if part.dtype != self.precision.grad:  # cast first, then average, as without offload
+                part = part.to(self.precision.grad) if scratch is None else scratch.copy_(part)
+            part.div_(post)
+        if streams is not None:
+            host = streams.host_empty(part.numel(), self.precision.grad)
+        else:
+            host = torch.empty(part.numel(), dtype=self.precision.grad)
+        host.copy_(part, non_blocking=streams is not None and streams.is_cuda)
+        return host
+
+    @property
+    def has_host_grads(self) -> bool:
+        """Whether offloaded gradient shards wait for :meth:`accumulate_host_grads`."""
+        return bool(self._host_grads)
+
+    def accumulate_host_grads(self) -> None:
+        """Accumulate the gradient shards copied to host memory in this backward into the gradient shard.
+
+        Call only after the CPU has waited for the copies (``CommContext.sync_host`` on the post-backward
+        stream, at the end of backward): see [Note: CPU offload].
+        """
+        grads, self._host_grads = self._host_grads, []
+        for grad in grads:
+            self._accumulate(grad)
 
     def _accumulate(self, grad: torch.Tensor) -> None:
         """Add a reduced gradient shard into ``_sharded_grad`` (gradients are assigned at end of backward).

@@ -13,8 +13,9 @@
    previous unit's reduction, start this one's asynchronously and reshard. Units holding frozen
    parameters reshard at the end of backward instead, since frozen views are not outputs of the
    unit's gradient node and may still be used to compute input gradients.
-5. End of backward: wait for every reduction, accumulate into the gradient shards, reshard whatever is
-   still gathered, reset per-iteration state.
+5. End of backward: wait for every reduction (with CPU offload the CPU waits once for the copies to host
+   memory), accumulate into the gradient shards, reshard whatever is still gathered, reset per-iteration
+   state.
 
 [Note: backward inside a forward]
 Lightning runs ``training_step`` as the root's forward, and manual optimization calls ``backward`` (and
@@ -174,6 +175,11 @@ class RootContext:
             if leftover is not None:
                 handle.where = (handle.where[0] if handle.where else "?", "end of backward", self.step)
                 handle.finish_grad(handle.reduce_grad(leftover, self.streams), self.streams)
+        offloaded = [h for h in self.handles if h.has_host_grads]
+        if offloaded:  # one wait for every copy to host memory: see [Note: CPU offload]
+            self.streams.sync_host(self.streams.post_backward)
+            for handle in offloaded:
+                handle.accumulate_host_grads()
         reduced = [h for h in self.handles if h.grad_this_backward]
         for handle, used in zip(reduced, _used_anywhere(reduced)):
             handle.assign_grads(used)

@@ -8,7 +8,12 @@ Three side streams let communication overlap compute on CUDA:
 - ``pre_unshard``: casts / copies that produce an all-gather's input (low-precision copies of the
   shard), so they do not queue behind compute kernels.
 - ``post_backward``: reduce-scatters of gradients, so a unit's gradient reduction overlaps the
-  backward of the units before it.
+  backward of the units before it. Under hybrid sharding the all-reduce across shard groups follows the
+  reduce-scatter on this stream, issued at once and asynchronously like it (on the compute stream it
+  would stall the backward for its whole duration); with CPU offload the copy of the reduced shard
+  into pinned host memory follows too. The compute stream waits for one event recorded after all of
+  it, at the next unit's post-backward, where the reduced gradient is next used and the buffers the
+  stream read may be freed.
 
 Allocation rule (why there are no ``record_stream`` calls): every buffer is allocated on the compute
 stream, before a side stream touches it, and a side stream first waits for the compute stream
@@ -17,8 +22,15 @@ all compute work, and a side stream never writes into a block that compute may s
 side stream reads (the unsharded gradient for a reduce-scatter) is kept alive by reference, in the
 pending-work record, until the compute stream has waited for that side stream's event.
 
+Host memory (CPU offload): no stream's wait orders the CPU. A pinned buffer that the post-backward
+stream copies into (:meth:`CommContext.host_empty`) is read on the CPU only after
+:meth:`CommContext.sync_host` has waited for that stream, once per backward, at its end (see [Note: CPU
+offload] in ``flatshard.engine.handle``); the pinned-memory allocator keeps a freed block from reuse until
+the copies that used it are done.
+
 On CPU (gloo), collectives are issued with ``async_op=True`` and their work handles waited on when the
-data is needed: the same overlap, without streams.
+data is needed: the same overlap, without streams. ``tests/fake_streams.py`` replays the CUDA
+protocol on CPU, with streams and events that record what each stream did and check the ordering above.
 """
 
 from __future__ import annotations
@@ -92,3 +104,14 @@ class CommContext:
         """A side stream waits for the compute work issued so far (see the allocation rule)."""
         if self.is_cuda and side is not None:
             side.wait_event(self.record(self.compute))
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D CPU buffer for a copy from the device: pinned on CUDA, so that the copy does not block."""
+        return torch.empty(numel, dtype=dtype, pin_memory=self.is_cuda)
+
+    def sync_host(self, stream: Any | None) -> None:
+        """The CPU waits for the work queued on ``stream`` so far (before reading what it copied to host
+        memory); a no-op on CPU, where that work is done when it returns."""
+        event = self.record(stream) if stream is not None else None
+        if event is not None:
+            event.synchronize()
