@@ -4,6 +4,10 @@
   progress, every parameter's shape and dtype, the optimizer states, and whether it is readable at all.
 - ``flatshard consolidate DIR OUT.ckpt`` turns a sharded checkpoint directory into one full checkpoint
   file (a plain Lightning checkpoint), on one process, without a GPU or a process group.
+  ``flatshard consolidate SRC OUT.safetensors`` writes the model weights only (SRC a directory or a full
+  file; ``--prefix``, ``--ema``), for inference tools: see ``flatshard/checkpoint/export.py``.
+
+Every path may also be an fsspec URL (``s3://bucket/run/last.ckpt``).
 """
 
 from __future__ import annotations
@@ -71,12 +75,13 @@ def _inspect_sharded(path: str, show_all: bool) -> int:
 def _inspect(path: str, show_all: bool) -> int:
     from pathlib import Path
 
-    from flatshard.checkpoint import CheckpointError, load_checkpoint_file
+    from flatshard.checkpoint import CheckpointError, is_sharded_checkpoint, load_checkpoint_file, locate
 
     try:
-        if Path(path).is_dir():
+        location = locate(path)
+        if is_sharded_checkpoint(location) or (isinstance(location, Path) and location.is_dir()):
             return _inspect_sharded(path, show_all)
-        ckpt = load_checkpoint_file(path)
+        ckpt = load_checkpoint_file(location)
     except (CheckpointError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -111,16 +116,49 @@ def _inspect(path: str, show_all: bool) -> int:
 def _consolidate(src: str, out: str) -> int:
     import time
 
-    from flatshard.checkpoint import CheckpointError, consolidate
+    from flatshard.checkpoint import CheckpointError, consolidate, locate, size_of
 
     start = time.perf_counter()
     try:
         target = consolidate(src, out)
+        size = size_of(locate(target))
     except (CheckpointError, FileNotFoundError, IsADirectoryError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    size = target.stat().st_size
     print(f"wrote {target} ({size / 2**20:.1f} MiB) in {time.perf_counter() - start:.1f}s")
+    return 0
+
+
+def _consolidate_to(args: argparse.Namespace) -> int:
+    """``consolidate`` in the format OUT's suffix names: ``.ckpt`` as :func:`_consolidate`, ``.safetensors``
+    the model weights (see [Note: safetensors export])."""
+    import time
+
+    from flatshard.checkpoint import CheckpointError
+    from flatshard.checkpoint.export import export_safetensors, output_format
+
+    start = time.perf_counter()
+    ema: bool | str = args.ema_key or args.ema
+    try:
+        if output_format(args.out) == ".ckpt":
+            if args.prefix or ema:
+                raise CheckpointError(
+                    "--prefix, --ema and --ema-key select model weights for a .safetensors export; a .ckpt "
+                    "output is the whole checkpoint. HINT: name the output OUT.safetensors."
+                )
+            return _consolidate(args.src, args.out)
+        result = export_safetensors(
+            args.src, args.out, prefix=args.prefix, ema=ema, progress=sys.stderr.isatty()
+        )
+    except (CheckpointError, FileNotFoundError, IsADirectoryError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for note in result.notes:
+        print(f"note: {note}")
+    print(
+        f"wrote {result.path} ({result.nbytes / 2**20:.1f} MiB, {result.tensors} tensors"
+        f"{', EMA weights' if ema else ''}) in {time.perf_counter() - start:.1f}s"
+    )
     return 0
 
 
@@ -128,14 +166,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flatshard", description="flatshard checkpoint tools")
     sub = parser.add_subparsers(dest="command", required=True)
     inspect = sub.add_parser("inspect", help="summarise a checkpoint (full file or sharded directory)")
-    inspect.add_argument("checkpoint", help="a .ckpt file or a sharded checkpoint directory")
+    inspect.add_argument("checkpoint", help="a .ckpt file or a sharded checkpoint directory (path or URL)")
     inspect.add_argument("--all", action="store_true", help="list every tensor, not only the first 20")
     consolidate = sub.add_parser(
-        "consolidate", help="turn a sharded checkpoint directory into one full checkpoint file"
+        "consolidate",
+        help="turn a sharded checkpoint directory into one full checkpoint file (.ckpt), or export the model "
+        "weights (.safetensors)",
     )
-    consolidate.add_argument("src", help="sharded checkpoint directory (state_dict_type='sharded')")
     consolidate.add_argument(
-        "out", help="the full checkpoint file to write (replaced atomically if it exists)"
+        "src",
+        help="sharded checkpoint directory (state_dict_type='sharded'): a path or a URL (s3://...); for a "
+        ".safetensors OUT also a full .ckpt file",
+    )
+    consolidate.add_argument(
+        "out",
+        help="the file to write, a path or a URL (replaced atomically if it exists); its suffix picks the "
+        "format: .ckpt (the full checkpoint) or .safetensors (the model weights only)",
+    )
+    consolidate.add_argument(
+        "--prefix",
+        default="",
+        help=".safetensors only: keep the names that start with PREFIX, without it (e.g. 'model.' for a "
+        "LightningModule's self.model)",
+    )
+    consolidate.add_argument(
+        "--ema", action="store_true", help=".safetensors only: export the EMA weights (ShardedEMA) instead"
+    )
+    consolidate.add_argument(
+        "--ema-key",
+        default=None,
+        help="with several EMA states: the callback state key to export (implies --ema)",
     )
     args = parser.parse_args(argv)
     if args.command == "inspect":
@@ -145,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
             return 0
     if args.command == "consolidate":
-        return _consolidate(args.src, args.out)
+        return _consolidate_to(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

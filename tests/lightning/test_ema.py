@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 import flatshard
+from flatshard.checkpoint.export import export_safetensors, load_safetensors
 from flatshard.lightning import ShardedEMA
 from flatshard.testing import spawn
 from flatshard.testing.models import Block
@@ -107,6 +108,12 @@ def test_sharded_ema_equals_the_plain_ema_and_resumes_on_another_world_size(tmp_
     plain.load_state_dict(state["ema_state_dict"], strict=True)
     for name, p in plain.named_parameters():
         torch.testing.assert_close(p.detach(), after_first[name], **TOL)
+    for kind in ("sharded", "full"):  # the export of the EMA, from a directory and from a file
+        out = tmp_path / f"ema-{kind}.safetensors"
+        export_safetensors(tmp_path / f"{kind}.ckpt", out, prefix="model.", ema=True)
+        exported = load_safetensors(out)
+        for name, value in after_first.items():
+            torch.testing.assert_close(exported[name.removeprefix("model.")], value, **TOL)
 
     for kind in ("sharded", "full"):  # resumed on 3 ranks: the EMA goes on as if never interrupted
         result = spawn(_resume, 3, str(tmp_path), kind)[0]

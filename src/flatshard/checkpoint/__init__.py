@@ -9,13 +9,17 @@ Two formats, told apart by what is on disk:
 
 Both load into a sharded module on any world size and wrap policy, and both are validated completely
 (keys, shapes, optimizer groups, truncated or missing files, format version) before anything changes.
+Both live at a local path or any fsspec URL (``s3://``, ``gs://``, ...): see ``flatshard/checkpoint/storage.py``.
 """
 
 from flatshard.checkpoint.consolidate import consolidate
-from flatshard.checkpoint.files import CheckpointError, atomic_save, load_checkpoint_file
+from flatshard.checkpoint.errors import CheckpointError
+from flatshard.checkpoint.export import export_safetensors, load_safetensors
+from flatshard.checkpoint.files import atomic_save, load_checkpoint_file, write_full_checkpoint
 from flatshard.checkpoint.load import load_checkpoint, load_into
 from flatshard.checkpoint.save import StateDictType, save_checkpoint
 from flatshard.checkpoint.sharded import ShardedReader, is_sharded_checkpoint, write_sharded_checkpoint
+from flatshard.checkpoint.storage import is_url, locate, remove_checkpoint, size_of
 from flatshard.checkpoint.validate import check_required
 
 __all__ = [
@@ -25,10 +29,17 @@ __all__ = [
     "atomic_save",
     "check_required",
     "consolidate",
+    "export_safetensors",
     "is_sharded_checkpoint",
+    "is_url",
     "load_checkpoint",
     "load_checkpoint_file",
     "load_into",
+    "load_safetensors",
+    "locate",
+    "remove_checkpoint",
     "save_checkpoint",
+    "size_of",
+    "write_full_checkpoint",
     "write_sharded_checkpoint",
 ]

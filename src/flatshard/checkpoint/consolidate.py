@@ -8,19 +8,26 @@ from typing import Any
 
 import torch
 
+from flatshard.checkpoint.export import export_safetensors
 from flatshard.checkpoint.files import atomic_save
 from flatshard.checkpoint.sharded import OBJECT, ShardedReader
+from flatshard.checkpoint.storage import Remote, locate_checked
 from flatshard.engine import ParamShard
 
 __all__ = ["consolidate"]
 
 
-def consolidate(src: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+def consolidate(src: str | os.PathLike[str] | Remote, out: str | os.PathLike[str] | Remote) -> Path | str:
     """Turn a sharded checkpoint directory into one full checkpoint file (no process group needed).
 
     The result is exactly what ``state_dict_type="full"`` would have written: a plain Lightning
-    checkpoint whose optimizer states are in the plain optimizers' format.
+    checkpoint whose optimizer states are in the plain optimizers' format. ``src`` and ``out`` are local
+    paths or fsspec URLs; returns ``out`` (the URL for a URL). An ``out`` ending in ``.safetensors`` gets
+    the model weights only, as :func:`~flatshard.checkpoint.export_safetensors` writes them.
     """
+    if str(out).lower().endswith(".safetensors"):  # never a torch pickle under that name
+        return export_safetensors(src, out).path
+    target = locate_checked(out)  # an unreachable destination fails before anything is read
     reader = ShardedReader(src)
     meta = reader.meta
     targets: dict[str, Any] = {"extra": OBJECT}
@@ -67,4 +74,4 @@ def consolidate(src: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pat
                 start += len(g["params"])
             states.append({"state": dict(sorted(state.items())), "param_groups": plain_groups})
         checkpoint["optimizer_states"] = states
-    return atomic_save(checkpoint, out)
+    return atomic_save(checkpoint, target)

@@ -1,8 +1,9 @@
 """Checkpoint files: atomic writes and validated reads with errors that name the file.
 
 A full checkpoint is a plain ``torch.save`` file (a plain Lightning checkpoint), so it loads without
-flatshard installed. Writes go to a temporary name beside the target, are flushed and fsynced, then
-renamed over it: a crash mid-save leaves the previous checkpoint intact.
+flatshard installed. Local writes go to a temporary name beside the target, are flushed and fsynced, then
+renamed over it: a crash mid-save leaves the previous checkpoint intact. At a URL the file is streamed in
+an fsspec transaction and appears whole or not at all (see [Note: checkpoint storage]).
 """
 
 from __future__ import annotations
@@ -18,21 +19,50 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "atomic_save", "fsync_dir", "load_checkpoint_file"]
+from flatshard.checkpoint.errors import CheckpointError
+from flatshard.checkpoint.storage import (
+    Remote,
+    incomplete_error,
+    locate,
+    locate_checked,
+    remote_kind,
+    storage_error,
+)
+from flatshard.checkpoint.validate import agree_on_error
+from flatshard.engine import global_rank
+
+__all__ = ["CheckpointError", "atomic_save", "fsync_dir", "load_checkpoint_file", "write_full_checkpoint"]
+
+_READ_ERRORS = (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint could not be read or does not fit; the message names the file and the fix."""
+def write_full_checkpoint(checkpoint: Any, path: str | os.PathLike[str] | Remote) -> Path | str:
+    """Every rank calls; rank 0 writes ``checkpoint`` to ``path`` (a file or a URL) with :func:`atomic_save`.
+
+    A URL's storage is checked on every rank first (see [Note: checkpoint storage]); if the write fails on
+    rank 0, every rank raises instead of the others waiting for it. Returns the path (the URL for a URL).
+    """
+    location = locate_checked(path)
+    error: BaseException | None = None
+    if global_rank() == 0:
+        try:
+            atomic_save(checkpoint, location)
+        except Exception as err:
+            error = err
+    agree_on_error(error, "Saving the checkpoint")
+    return location if isinstance(location, Path) else location.url
 
 
-def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
-    """``torch.save`` to ``path`` via a temporary file, fsync and rename.
+def atomic_save(obj: Any, path: str | os.PathLike[str] | Remote) -> Path | str:
+    """``torch.save`` to ``path`` via a temporary file, fsync and rename; at a URL in one committed upload.
 
     The file gets the permissions ``open()`` would give it (those of the file it replaces, else
     ``0o666`` less the umask), and temporary files left by an earlier save of the same name on this host
-    whose process is gone are removed.
+    whose process is gone are removed. Returns the path (the URL for a URL).
     """
-    target = Path(path)
+    target = locate(path)
+    if isinstance(target, Remote):
+        return _save_remote(obj, target)
     if target.is_dir():
         raise IsADirectoryError(f"Cannot write the checkpoint {target}: a directory of that name exists.")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -55,6 +85,21 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
         raise
     fsync_dir(target.parent)
     return target
+
+
+def _save_remote(obj: Any, target: Remote) -> str:
+    if remote_kind(target) in ("sharded", "incomplete"):
+        raise IsADirectoryError(
+            f"Cannot write the checkpoint {target.url}: a directory (sharded checkpoint) of that name exists."
+        )
+    try:
+        with target.fs.transaction, target.fs.open(target.path, "wb") as f:  # committed on success only
+            torch.save(obj, f)
+    except Exception as err:
+        raise storage_error(target, err, "write it") from err
+    finally:
+        target.refresh()
+    return target.url
 
 
 def _temp_prefix(target: Path) -> str:
@@ -114,9 +159,14 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def load_checkpoint_file(path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
-    """Read a full checkpoint memory-mapped (tensors are paged in only when sliced)."""
-    target = Path(path)
+def load_checkpoint_file(
+    path: str | os.PathLike[str] | Remote, weights_only: bool | None = None
+) -> dict[str, Any]:
+    """Read a full checkpoint: memory-mapped if local (tensors are paged in only when sliced), streamed from
+    its storage at a URL."""
+    target = locate(path)
+    if isinstance(target, Remote):
+        return _checked(target, _load_remote(target, weights_only))
     if not target.exists():
         raise FileNotFoundError(
             f"Checkpoint {target} does not exist. HINT: check the path passed as ckpt_path."
@@ -144,11 +194,51 @@ def load_checkpoint_file(path: str | os.PathLike[str], weights_only: bool | None
             mmap=True,
             weights_only=bool(weights_only) if weights_only is not None else False,
         )
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError) as err:
+    except _READ_ERRORS as err:
+        raise _unreadable(target, err) from err
+    return _checked(target, checkpoint)
+
+
+def _load_remote(target: Remote, weights_only: bool | None) -> Any:
+    kind = remote_kind(target)
+    if kind == "missing":
+        raise FileNotFoundError(
+            f"Checkpoint {target.url} does not exist. HINT: check the URL passed as ckpt_path (and that the "
+            "endpoint and credentials point at the storage that holds it)."
+        )
+    if kind == "incomplete":
+        raise incomplete_error(target)
+    if kind == "sharded":
         raise CheckpointError(
-            f"Checkpoint {target} could not be read ({type(err).__name__}: {err}). It is truncated or not a torch "
-            "checkpoint. HINT: use an earlier checkpoint; nothing was loaded."
-        ) from err
+            f"Checkpoint {target.url} is a directory (a sharded checkpoint), not a file. HINT: load it with "
+            "flatshard.load_checkpoint or a flatshard strategy, or turn it into one file with "
+            f"`flatshard consolidate {target.url} OUT.ckpt`."
+        )
+    try:
+        if not target.fs.size(target.path):
+            raise CheckpointError(
+                f"Checkpoint {target.url} is empty (0 bytes): the save was interrupted. Use an earlier one."
+            )
+        with target.fs.open(target.path, "rb") as f:
+            return torch.load(
+                f, map_location="cpu", weights_only=bool(weights_only) if weights_only is not None else False
+            )
+    except CheckpointError:
+        raise
+    except _READ_ERRORS as err:
+        raise _unreadable(target, err) from err
+    except Exception as err:
+        raise storage_error(target, err, "read it") from err
+
+
+def _unreadable(target: Path | Remote, err: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"Checkpoint {target} could not be read ({type(err).__name__}: {err}). It is truncated or not a torch "
+        "checkpoint. HINT: use an earlier checkpoint; nothing was loaded."
+    )
+
+
+def _checked(target: Path | Remote, checkpoint: Any) -> dict[str, Any]:
     if not isinstance(checkpoint, dict):
         raise CheckpointError(
             f"Checkpoint {target} holds a {type(checkpoint).__name__}, not a checkpoint dict."

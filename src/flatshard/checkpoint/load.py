@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from flatshard.checkpoint.files import CheckpointError, load_checkpoint_file
+from flatshard.checkpoint.errors import CheckpointError
+from flatshard.checkpoint.files import load_checkpoint_file
 from flatshard.checkpoint.load_sharded import load_sharded
+from flatshard.checkpoint.storage import Location, Remote, locate_checked, remote_kind
 from flatshard.checkpoint.validate import agree_on_error, check_optimizer_count, check_required
 from flatshard.engine import (
     check_full_model_state_dict,
@@ -29,13 +30,14 @@ __all__ = ["load_checkpoint", "load_into"]
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Remote,
     module: nn.Module,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     *,
     strict: bool = True,
 ) -> dict[str, Any]:
-    """Load a full file or sharded directory into ``module`` (and optimizers) on any world size.
+    """Load a full file or sharded directory (a local path or an fsspec URL) into ``module`` (and optimizers)
+    on any world size.
 
     Call on every rank. Returns the checkpoint's other entries (without ``state_dict`` and
     ``optimizer_states``). Raises :class:`CheckpointError` naming the file before anything changes if the
@@ -46,7 +48,7 @@ def load_checkpoint(
 
 
 def load_into(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Remote,
     module: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer],
     *,
@@ -60,15 +62,23 @@ def load_into(
     Returns the checkpoint dict without ``state_dict`` / ``optimizer_states``. Entries named in
     ``required`` must be in it: a ``KeyError`` before anything is applied otherwise.
     """
-    if Path(path).is_dir() or (
-        not Path(path).exists() and Path(path).parent.joinpath(f".{Path(path).name}.flatshard-old").is_dir()
-    ):
-        return load_sharded(Path(path), module, optimizers, strict, load_optimizer_states, required)
-    return _load_full(Path(path), module, optimizers, strict, load_optimizer_states, weights_only, required)
+    location = locate_checked(path)  # a URL: every rank reaches its storage, or every rank raises
+    if _is_directory(location):
+        return load_sharded(location, module, optimizers, strict, load_optimizer_states, required)
+    return _load_full(location, module, optimizers, strict, load_optimizer_states, weights_only, required)
+
+
+def _is_directory(location: Location) -> bool:
+    """A sharded checkpoint, complete or not (so that loading names what is missing), or a local one that an
+    interrupted save left aside."""
+    if isinstance(location, Remote):
+        return remote_kind(location) in ("sharded", "incomplete")
+    old = location.parent / f".{location.name}.flatshard-old"
+    return location.is_dir() or (not location.exists() and old.is_dir())
 
 
 def _load_full(
-    path: Path,
+    path: Location,
     module: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer],
     strict: bool,

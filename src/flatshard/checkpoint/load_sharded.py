@@ -8,14 +8,14 @@ validated (keys, shapes, optimizer groups) on every rank, and the ranks agree, b
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from flatshard.checkpoint.files import CheckpointError
+from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.sharded import OBJECT, ShardedReader
+from flatshard.checkpoint.storage import Location
 from flatshard.checkpoint.validate import agree_on_error, check_optimizer_count, check_required
 from flatshard.engine import (
     ParamShard,
@@ -170,7 +170,7 @@ def _optim_targets(
 
 
 def load_sharded(
-    path: Path,
+    path: Location,
     module: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer],
     strict: bool,

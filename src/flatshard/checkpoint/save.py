@@ -8,14 +8,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from flatshard.checkpoint.files import atomic_save
+from flatshard.checkpoint.files import write_full_checkpoint
 from flatshard.checkpoint.sharded import write_sharded_checkpoint
 from flatshard.engine import (
     get_state_dict,
-    global_rank,
     optimizer_list,
     sharded_model_state_dict,
     sharded_optim_state_dict,
@@ -33,11 +31,12 @@ def save_checkpoint(
     *,
     state_dict_type: StateDictType = "full",
     extra: Mapping[str, Any] | None = None,
-) -> Path:
-    """Save ``module`` (and optimizers) to ``path``; call it on every rank.
+) -> Path | str:
+    """Save ``module`` (and optimizers) to ``path``; call it on every rank. Returns the path (for a URL, the URL).
 
     Args:
-        path: a file (``"full"``) or a directory (``"sharded"``).
+        path: a file (``"full"``) or a directory (``"sharded"``): a local path or an fsspec URL (``s3://...``;
+            see docs/checkpoints.md, "Remote storage").
         module: a module sharded with ``flatshard.shard``.
         optimizer: an optimizer, a list of them, or ``None``.
         state_dict_type: ``"full"`` (one consolidated file from rank 0) or ``"sharded"`` (every rank writes
@@ -52,11 +51,7 @@ def save_checkpoint(
         checkpoint["state_dict"] = model_state
         if optimizers:
             checkpoint["optimizer_states"] = optim_states
-        if global_rank() == 0:
-            atomic_save(checkpoint, path)
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
-        return Path(path)
+        return write_full_checkpoint(checkpoint, path)
     if state_dict_type == "sharded":
         checkpoint["state_dict"] = sharded_model_state_dict(module)
         if optimizers:

@@ -17,24 +17,35 @@ Reading asks DCP for the byte range this rank needs in the *reader's* layout, so
 world size and wrap policy. Everything is validated (keys, shapes, optimizer groups, every data file
 present and long enough) before a single value is read into the model.
 
-Writes go to a hidden sibling directory that is renamed into place once every rank has finished, so a
-crash mid-save leaves the previous checkpoint as it was.
+Local writes go to a hidden sibling directory that is renamed into place once every rank has finished, so a
+crash mid-save leaves the previous checkpoint as it was. At a URL (see [Note: checkpoint storage]) nothing can
+be renamed: every rank writes its data object under a name unique to the save (``__<rank>_<save id>_0.distcp``),
+rank 0 writes ``.metadata`` last in one request (an object store replaces an object whole), and only then
+deletes the data objects of earlier saves of that name. A directory is complete exactly when its ``.metadata``
+exists; one without it is reported as incomplete, not read.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import inspect
 import io
+import logging
 import os
+import pickle
 import shutil
+import uuid
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from fsspec import AbstractFileSystem
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -55,7 +66,19 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from flatshard.checkpoint.files import CheckpointError, fsync_dir
+from flatshard.checkpoint.errors import CheckpointError
+from flatshard.checkpoint.files import fsync_dir
+from flatshard.checkpoint.storage import (
+    METADATA,
+    Location,
+    Remote,
+    children,
+    incomplete_error,
+    locate,
+    locate_checked,
+    remote_kind,
+    storage_error,
+)
 from flatshard.engine import ParamShard, global_rank
 from flatshard.version import __version__
 
@@ -72,11 +95,18 @@ FORMAT_VERSION = 1
 META_KEY = "flatshard/meta"
 EXTRA_KEY = "extra"
 
+log = logging.getLogger(__name__)
 
-def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a directory holding a DCP checkpoint (``.metadata``)."""
-    p = Path(path)
-    return p.is_dir() and (p / ".metadata").is_file()
+
+def is_sharded_checkpoint(path: str | os.PathLike[str] | Remote) -> bool:
+    """Whether ``path`` (a local path or a URL) is a directory holding a DCP checkpoint (``.metadata``)."""
+    p = locate(path)
+    if isinstance(p, Remote):
+        try:
+            return remote_kind(p) == "sharded"
+        except CheckpointError:
+            return False
+    return p.is_dir() and (p / METADATA).is_file()
 
 
 def _world() -> int:
@@ -267,16 +297,21 @@ def _flatten_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], 
     return entries, meta
 
 
-def write_sharded_checkpoint(checkpoint: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+def write_sharded_checkpoint(
+    checkpoint: Mapping[str, Any], path: str | os.PathLike[str] | Remote
+) -> Path | str:
     """Write a checkpoint dict whose ``state_dict`` / ``optimizer_states`` hold sharded state; all ranks call.
 
-    See [Note: sharded checkpoint layout]. An existing checkpoint at ``path`` (file or directory) is
-    replaced only once the new one is complete.
+    See [Note: sharded checkpoint layout]. ``path`` is a local directory or a URL; an existing checkpoint there
+    (file or directory) is replaced only once the new one is complete. Returns the path (the URL for a URL).
     """
-    target = Path(path)
+    location = locate_checked(path)  # a URL's storage answers on every rank before anything is written
+    entries, meta = _flatten_checkpoint(checkpoint)
+    if isinstance(location, Remote):
+        return _write_remote(entries, meta, location)
+    target = location
     tmp = target.parent / f".{target.name}.flatshard-tmp"
     old = target.parent / f".{target.name}.flatshard-old"
-    entries, meta = _flatten_checkpoint(checkpoint)
     if global_rank() == 0:
         entries[META_KEY] = meta
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -284,11 +319,7 @@ def write_sharded_checkpoint(checkpoint: Mapping[str, Any], path: str | os.PathL
             shutil.rmtree(tmp)  # left by an interrupted save
         tmp.mkdir()
     _barrier()
-    writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True)
-    with warnings.catch_warnings():
-        # Without a process group DCP warns that it assumes a single process: that is the intent.
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
-        dcp.save(entries, storage_writer=writer, planner=_SavePlanner(entries))
+    _dcp_save(entries, dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True))
     _barrier()
     if global_rank() == 0:
         fsync_dir(tmp)
@@ -306,15 +337,152 @@ def write_sharded_checkpoint(checkpoint: Mapping[str, Any], path: str | os.PathL
     return target
 
 
+def _dcp_save(entries: dict[str, Any], writer: dcp.FileSystemWriter) -> None:
+    with warnings.catch_warnings():
+        # Without a process group DCP warns that it assumes a single process: that is the intent.
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
+        dcp.save(entries, storage_writer=writer, planner=_SavePlanner(entries))
+
+
+def _write_remote(entries: dict[str, Any], meta: dict[str, Any], target: Remote) -> str:
+    """A sharded checkpoint at a URL: data objects first, ``.metadata`` last, then earlier saves' data objects
+    go (see [Note: checkpoint storage])."""
+    if global_rank() == 0:
+        entries[META_KEY] = meta
+    writer = _RemoteWriter(target, uuid.uuid4().hex[:12])  # rank 0's (the coordinator's) names every file
+    try:
+        _dcp_save(entries, writer)
+    except (Exception, dcp.CheckpointException) as err:  # DCP's error is a BaseException
+        raise storage_error(target, err, "write the sharded checkpoint") from err
+    if global_rank() == 0:
+        _remove_stale_objects(target, keep=set(writer.written))
+    _barrier()
+    return target.url
+
+
+def _remove_stale_objects(target: Remote, keep: set[str]) -> None:
+    """Delete what earlier saves of this name left (their data objects, or a full file of the same name) once
+    the new metadata is in place; other objects under the prefix are not flatshard's and stay. A failure only
+    leaves unreferenced objects behind."""
+    try:
+        for name, entry in children(target).items():
+            if name.endswith(".distcp") and name not in keep and entry.get("type") == "file":
+                target.fs.rm_file(str(entry["name"]))
+        target.refresh()
+        if target.fs.info(target.path).get("type") == "file":  # an object store keeps "x" beside "x/..."
+            target.fs.rm_file(target.path)
+    except Exception as err:  # the checkpoint is complete: report, do not fail the save
+        log.warning("flatshard: %s is saved, but objects of its previous save remain (%s).", target.url, err)
+    finally:
+        target.refresh()
+
+
+class _FsspecFiles(dcp_filesystem.FileSystem):
+    """DCP's file operations on an fsspec filesystem (torch's own adapter replaces ``.metadata`` by removing
+    and renaming, which on an object store leaves a moment without metadata)."""
+
+    def __init__(self, fs: AbstractFileSystem) -> None:
+        self.fs = fs
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
+        try:
+            with self.fs.open(os.fspath(path), mode) as stream:
+                yield stream
+        except BaseException:
+            if "r" not in mode:  # referenced by no metadata: a half-written object is only clutter
+                with contextlib.suppress(Exception):
+                    self.fs.rm_file(os.fspath(path))
+            raise
+
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
+        return f"{os.fspath(path).rstrip('/')}/{suffix}"
+
+    def init_path(self, path: str | os.PathLike[str]) -> str:
+        return os.fspath(path)
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        self.fs.mv(os.fspath(path), os.fspath(new_path))
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        if not hasattr(self.fs, "split_path"):  # object stores have no directories (and would create buckets)
+            self.fs.makedirs(os.fspath(path), exist_ok=True)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False  # chosen explicitly, never by DCP's guess
+
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        return bool(self.fs.exists(os.fspath(path)))
+
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        self.fs.rm_file(os.fspath(path))
+
+    def ls(self, path: str | os.PathLike[str]) -> list[str]:
+        return [str(p) for p in self.fs.ls(os.fspath(path), detail=False)]
+
+
+class _RemoteWriter(dcp.FileSystemWriter):
+    """DCP's file writer on an fsspec filesystem: data files named per save, ``.metadata`` written last in one
+    request (see [Note: checkpoint storage])."""
+
+    def __init__(self, target: Remote, save_id: str) -> None:
+        super().__init__(target.url, single_file_per_rank=True, sync_files=False, overwrite=True)
+        self.fs = _FsspecFiles(target.fs)
+        self.path = target.path
+        self._target = target
+        self._save_id = save_id
+        self.written: list[str] = []  # data files of this save (coordinator only, after finish)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # No "existing checkpoint" warning: replacing one is the intent, and its metadata stays until ours lands.
+        self.fs.mkdir(self.path)
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        plans = super().prepare_global_plan(plans)
+        return [  # "__<rank>_" -> "__<rank>_<save id>_": never overwrite a file the current metadata names
+            dataclasses.replace(
+                p,
+                storage_data=dataclasses.replace(
+                    p.storage_data, prefix=f"{p.storage_data.prefix}{self._save_id}_"
+                ),
+            )
+            for p in plans
+        ]
+
+    def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
+        metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
+        metadata.storage_meta = self.storage_meta()
+        version = getattr(dcp_filesystem, "CURRENT_DCP_VERSION", None)
+        if version is not None:
+            metadata.version = version
+        self.written = sorted({info.relative_path for info in metadata.storage_data.values()})
+        try:
+            self._target.fs.pipe_file(self._target.child(METADATA).path, pickle.dumps(metadata))
+        finally:
+            self._target.refresh()
+
+
+class _RemoteReader(dcp.FileSystemReader):
+    """DCP's file reader on an fsspec filesystem."""
+
+    def __init__(self, source: Remote) -> None:
+        super().__init__(source.url)
+        self.fs = _FsspecFiles(source.fs)
+        self.path = source.path
+
+
 # ---------------------------------------------------------------------------------------------- reading
 class ShardedReader:
     """Reads a sharded checkpoint directory: its metadata at once, data on request. Errors name the path."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | os.PathLike[str] | Remote) -> None:
+        self.location: Location = locate(path)
+        self.path: Path | str = self.location if isinstance(self.location, Path) else self.location.url
         self._check_exists()
         try:
-            self.metadata: Metadata = dcp.FileSystemReader(str(self.path)).read_metadata()
+            self.metadata: Metadata = self._storage_reader().read_metadata()
         except Exception as err:
             raise CheckpointError(
                 f"Sharded checkpoint {self.path}: its .metadata file could not be read ({type(err).__name__}: "
@@ -340,21 +508,52 @@ class ShardedReader:
                 f"to {FORMAT_VERSION}. HINT: upgrade flatshard to load it. Nothing was loaded."
             )
 
+    def _storage_reader(self) -> dcp.FileSystemReader:
+        if isinstance(self.location, Remote):
+            return _RemoteReader(self.location)
+        return dcp.FileSystemReader(str(self.location))
+
     def _check_exists(self) -> None:
-        if self.path.is_dir() and (self.path / ".metadata").is_file():
+        if isinstance(self.location, Remote):
+            self._check_remote_exists(self.location)
             return
-        old = self.path.parent / f".{self.path.name}.flatshard-old"
-        if not self.path.exists() and old.is_dir():
+        path = self.location
+        if path.is_dir() and (path / METADATA).is_file():
+            return
+        old = path.parent / f".{path.name}.flatshard-old"
+        if not path.exists() and old.is_dir():
             raise CheckpointError(
-                f"Sharded checkpoint {self.path} does not exist, but {old} does: a save was interrupted while "
-                f"replacing it. HINT: `mv {old} {self.path}` restores the previous checkpoint."
+                f"Sharded checkpoint {path} does not exist, but {old} does: a save was interrupted while "
+                f"replacing it. HINT: `mv {old} {path}` restores the previous checkpoint."
             )
-        if not self.path.exists():
-            raise FileNotFoundError(f"Checkpoint {self.path} does not exist. HINT: check the path.")
+        if not path.exists():
+            raise FileNotFoundError(f"Checkpoint {path} does not exist. HINT: check the path.")
         raise CheckpointError(
-            f"{self.path} is not a sharded checkpoint: it has no .metadata file (an interrupted save, or the "
+            f"{path} is not a sharded checkpoint: it has no .metadata file (an interrupted save, or the "
             "wrong directory). HINT: use an earlier checkpoint. Nothing was loaded."
         )
+
+    @staticmethod
+    def _check_remote_exists(source: Remote) -> None:
+        kind = remote_kind(source)
+        if kind == "incomplete":
+            raise incomplete_error(source)
+        if kind == "missing":
+            raise FileNotFoundError(
+                f"Checkpoint {source.url} does not exist. HINT: check the URL (and that the endpoint and "
+                "credentials point at the storage that holds it)."
+            )
+        if kind == "file":
+            raise CheckpointError(
+                f"{source.url} is not a sharded checkpoint: it is one object (a full checkpoint file?). HINT: load "
+                "it as a file (flatshard.load_checkpoint or a strategy read both). Nothing was loaded."
+            )
+
+    def _sizes(self) -> dict[str, int]:
+        """Each file's size by its name relative to the checkpoint (only those that exist)."""
+        if isinstance(self.location, Remote):
+            return {name: int(e.get("size") or 0) for name, e in children(self.location).items()}
+        return {f.name: f.stat().st_size for f in self.location.iterdir() if f.is_file()}
 
     def _check_files(self) -> None:
         """Every data file the metadata refers to exists and is long enough (truncation, missing shards)."""
@@ -362,14 +561,14 @@ class ShardedReader:
         for info in self.metadata.storage_data.values():
             end = int(info.offset) + int(info.length)
             needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+        sizes = self._sizes()
         for rel, end in sorted(needed.items()):
-            f = self.path / rel
-            if not f.is_file():
+            if rel not in sizes:
                 raise CheckpointError(
                     f"Sharded checkpoint {self.path} is missing its data file {rel} (a missing shard). HINT: copy "
                     "the whole directory, or use an earlier checkpoint. Nothing was loaded."
                 )
-            size = f.stat().st_size
+            size = sizes[rel]
             if size < end:
                 raise CheckpointError(
                     f"Sharded checkpoint {self.path}: data file {rel} is truncated ({size} bytes, the metadata "
@@ -405,12 +604,12 @@ class ShardedReader:
         Collective when a process group is initialised (all ranks must call with the same keys).
         """
         planner = _LoadPlanner(targets)
-        reader = dcp.FileSystemReader(str(self.path))
+        reader = self._storage_reader()
         distributed = dist.is_available() and dist.is_initialized()
         state = {k: _placeholder(v) for k, v in targets.items()}
         try:
             _dcp_load(state, reader, planner, no_dist=not distributed)
-        except Exception as err:
+        except (Exception, dcp.CheckpointException) as err:  # DCP's error is a BaseException
             raise CheckpointError(
                 f"Sharded checkpoint {self.path} could not be read ({type(err).__name__}: {err}). HINT: the "
                 "directory is damaged or incomplete; use an earlier checkpoint."
@@ -420,10 +619,10 @@ class ShardedReader:
     def read_objects(self, keys: Sequence[str]) -> dict[str, Any]:
         """Read object entries on this process alone (no collective)."""
         planner = _LoadPlanner({k: OBJECT for k in keys})
-        reader = dcp.FileSystemReader(str(self.path))
+        reader = self._storage_reader()
         try:
             _dcp_load({k: _placeholder(OBJECT) for k in keys}, reader, planner, no_dist=True)
-        except Exception as err:
+        except (Exception, dcp.CheckpointException) as err:  # DCP's error is a BaseException
             raise CheckpointError(
                 f"Sharded checkpoint {self.path}: entries {list(keys)} could not be read ({type(err).__name__}: "
                 f"{err}). HINT: use an earlier checkpoint."

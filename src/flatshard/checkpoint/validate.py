@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Collection, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from flatshard.checkpoint.files import CheckpointError
+from flatshard.checkpoint.errors import CheckpointError
 
 __all__ = ["agree_on_error", "check_optimizer_count", "check_required"]
 
 
-def check_required(path: str | os.PathLike[str], extra: Mapping[str, Any], required: Collection[str]) -> None:
+def check_required(path: object, extra: Mapping[str, Any], required: Collection[str]) -> None:
     """Raise before anything is applied if the checkpoint lacks an entry the caller needs (every rank reads
     the same checkpoint, so every rank raises alike)."""
     missing = [k for k in required if k not in extra]
@@ -25,8 +23,9 @@ def check_required(path: str | os.PathLike[str], extra: Mapping[str, Any], requi
         )
 
 
-def agree_on_error(error: BaseException | None) -> None:
-    """Raise on every rank if validation failed on any, so no rank goes on to read alone."""
+def agree_on_error(error: BaseException | None, what: str = "Loading") -> None:
+    """Raise on every rank if a step (validation, a storage check, a write) failed on any, so no rank goes on
+    alone; ``what`` names the step in the error the other ranks raise."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         if error is not None:
             raise error
@@ -38,10 +37,10 @@ def agree_on_error(error: BaseException | None) -> None:
     failed = [(r, m) for r, m in enumerate(messages) if m is not None]
     if failed:
         rank, message = failed[0]
-        raise CheckpointError(f"Loading failed on rank {rank}: {message}")
+        raise CheckpointError(f"{what} failed on rank {rank}: {message}")
 
 
-def check_optimizer_count(path: Path, saved: int | None, optimizers: Sequence[Any]) -> None:
+def check_optimizer_count(path: object, saved: int | None, optimizers: Sequence[Any]) -> None:
     if saved is None:
         raise CheckpointError(
             f"Checkpoint {path} holds only the model (no optimizer states), so training cannot resume from it. "

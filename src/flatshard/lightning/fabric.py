@@ -31,11 +31,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from flatshard.checkpoint import (
-    atomic_save,
     check_required,
     is_sharded_checkpoint,
     load_checkpoint_file,
     load_into,
+    write_full_checkpoint,
     write_sharded_checkpoint,
 )
 from flatshard.engine import (
@@ -348,8 +348,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
             write_sharded_checkpoint(self._sharded_checkpoint(state), path)
             return
         converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
-        if self.is_global_zero:
-            atomic_save(converted, path)
+        write_full_checkpoint(converted, path)  # rank 0 writes; every rank raises if that failed
         self.barrier()
 
     @override

@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
-from flatshard.checkpoint import atomic_save, load_into, write_sharded_checkpoint
+from flatshard.checkpoint import load_into, remove_checkpoint, write_full_checkpoint, write_sharded_checkpoint
 from flatshard.engine import (
     BackwardPrefetch,
     CPUOffload,
@@ -489,7 +489,8 @@ class FlatShardStrategy(ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """Write a full file from rank 0, or (``state_dict_type="sharded"``) a directory from every rank."""
+        """Write a full file from rank 0, or (``state_dict_type="sharded"``) a directory from every rank; a
+        local path or an fsspec URL (see [Note: checkpoint storage])."""
         if storage_options is not None:
             raise TypeError(
                 "FlatShardStrategy.save_checkpoint(..., storage_options=...) is not supported: flatshard writes "
@@ -497,13 +498,13 @@ class FlatShardStrategy(ParallelStrategy):
             )
         if self.options.state_dict_type == "sharded":
             write_sharded_checkpoint(checkpoint, filepath)
-        elif self.is_global_zero:
-            atomic_save(checkpoint, filepath)
+        else:
+            write_full_checkpoint(checkpoint, filepath)  # rank 0 writes; every rank raises if it failed
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            super().remove_checkpoint(filepath)  # recursive: removes sharded directories too
+            remove_checkpoint(filepath)  # a file or a sharded directory, local or at a URL
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
