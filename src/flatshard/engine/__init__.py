@@ -23,7 +23,7 @@ from flatshard.engine.config import (
     ShardingStrategy,
     ShardOptions,
 )
-from flatshard.engine.ema import ShardedEMA
+from flatshard.engine.ema import ShardedEMA, check_decay
 from flatshard.engine.forward_methods import is_forward_method, register_forward_method, register_generate
 from flatshard.engine.join import JoinState, begin_join, end_join, join
 from flatshard.engine.runtime import ForwardCall, begin_backward_in_forward, forward_call, regather_in_forward
@@ -52,7 +52,7 @@ from flatshard.engine.state.sharded import (
 )
 from flatshard.engine.state.state_dict import get_state_dict, optimizer_list, set_state_dict
 from flatshard.engine.state.unshard_params import unshard_params
-from flatshard.engine.transport.comm import global_rank
+from flatshard.engine.transport.comm import global_rank, uses_nccl
 from flatshard.engine.transport.watchdog import DesyncError, wait_collective
 from flatshard.engine.wrap import Policy
 
@@ -72,6 +72,7 @@ __all__ = [
     "ShardingStrategy",
     "begin_backward_in_forward",
     "begin_join",
+    "check_decay",
     "check_full_model_state_dict",
     "clip_grad_norm_",
     "clip_grad_norm_params_",
@@ -108,5 +109,6 @@ __all__ = [
     "to_local_optim_state",
     "unit_states",
     "unshard_params",
+    "uses_nccl",
     "wait_collective",
 ]

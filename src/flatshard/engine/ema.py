@@ -30,7 +30,17 @@ import torch.nn as nn
 from flatshard.engine.shard import is_sharded
 from flatshard.engine.state.state_dict import get_state_dict, set_state_dict
 
-__all__ = ["ShardedEMA"]
+__all__ = ["ShardedEMA", "check_decay"]
+
+
+def check_decay(decay: object) -> float:
+    """``decay`` as a float, or a ``ValueError`` with a hint unless it is a number in ``[0, 1)``."""
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
+        raise ValueError(
+            f"ShardedEMA(decay={decay!r}): decay must be a number in [0, 1). HINT: typical values are 0.999 "
+            "to 0.9999 (an average over about 1/(1 - decay) steps)."
+        )
+    return float(decay)
 
 
 class ShardedEMA:
@@ -43,13 +53,8 @@ class ShardedEMA:
     """
 
     def __init__(self, module: nn.Module, decay: float) -> None:
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
-            raise ValueError(
-                f"ShardedEMA(decay={decay!r}): decay must be a number in [0, 1). HINT: typical values are 0.999 "
-                "to 0.9999 (an average over about 1/(1 - decay) steps)."
-            )
         self.module = module
-        self.decay = float(decay)
+        self.decay = check_decay(decay)
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.shadow = [p.detach().float().clone() for p in self.params]
         self.num_updates = 0

@@ -16,7 +16,7 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
-from flatshard.engine import wait_collective
+from flatshard.engine import uses_nccl, wait_collective
 
 __all__ = ["barrier", "broadcast_object", "init_process_group", "reduce_tensor", "set_world_ranks"]
 
@@ -71,7 +71,7 @@ def barrier(root_device: torch.device) -> None:
     """All ranks meet here; a rank out of step raises ``DesyncError`` (see [Note: finding a desync])."""
     if not _distributed_is_initialized():
         return
-    if "nccl" in str(torch.distributed.get_backend()):
+    if uses_nccl(None):
         work = torch.distributed.barrier(async_op=True, device_ids=[root_device.index])
     else:
         work = torch.distributed.barrier(async_op=True)
@@ -102,7 +102,7 @@ def reduce_tensor(tensor: Tensor | Any, group: Any | None, reduce_op: Any | None
     op = dist.ReduceOp.SUM if reduce_op is None else reduce_op
     if isinstance(reduce_op, str):
         name = "avg" if reduce_op.lower() == "mean" else reduce_op.lower()
-        if name == "avg" and "nccl" not in str(dist.get_backend(group)):
+        if name == "avg" and not uses_nccl(group):
             op, divide = dist.ReduceOp.SUM, True  # gloo has no AVG
         else:
             op = getattr(dist.ReduceOp, name.upper())

@@ -9,6 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from flatshard.engine import ShardedEMA as _EngineEMA
+from flatshard.engine import check_decay
 
 __all__ = ["ShardedEMA"]
 
@@ -41,12 +42,7 @@ class ShardedEMA(Callback):
     ) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"ShardedEMA(every_n_steps={every_n_steps!r}) must be a positive int.")
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
-            raise ValueError(
-                f"ShardedEMA(decay={decay!r}): decay must be a number in [0, 1). HINT: typical values are 0.999 "
-                "to 0.9999 (an average over about 1/(1 - decay) steps)."
-            )
-        self.decay = float(decay)
+        self.decay = check_decay(decay)
         self.every_n_steps = every_n_steps
         self.swap_eval = swap_eval
         self.swap_predict = swap_predict
