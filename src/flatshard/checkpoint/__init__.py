@@ -12,6 +12,7 @@ Both load into a sharded module on any world size and wrap policy, and both are 
 Both live at a local path or any fsspec URL (``s3://``, ``gs://``, ...): see ``flatshard/checkpoint/storage.py``.
 """
 
+from flatshard.checkpoint.async_save import AsyncSaver
 from flatshard.checkpoint.consolidate import consolidate
 from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.export import export_safetensors, load_safetensors
@@ -23,6 +24,7 @@ from flatshard.checkpoint.storage import is_url, locate, remove_checkpoint, size
 from flatshard.checkpoint.validate import check_required
 
 __all__ = [
+    "AsyncSaver",
     "CheckpointError",
     "ShardedReader",
     "StateDictType",

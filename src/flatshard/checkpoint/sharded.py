@@ -85,8 +85,13 @@ from flatshard.version import __version__
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "META_KEY",
+    "SavePlanner",
     "ShardedReader",
+    "flatten_checkpoint",
     "is_sharded_checkpoint",
+    "prepare_temporary",
+    "replace_directory",
     "write_sharded_checkpoint",
 ]
 
@@ -123,7 +128,7 @@ class _Object:
     """A placeholder for a non-tensor entry to be read."""
 
 
-class _SavePlanner(DefaultSavePlanner):
+class SavePlanner(DefaultSavePlanner):
     """Writes :class:`ParamShard` entries as chunks of a 1-D tensor; tensors whole; anything else pickled."""
 
     def __init__(self, entries: Mapping[str, Any]) -> None:
@@ -234,7 +239,7 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 
 # ---------------------------------------------------------------------------------------------- writing
-def _flatten_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def flatten_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """DCP entries and the meta record for a checkpoint dict holding sharded model/optimizer state."""
     rank0 = global_rank() == 0
     entries: dict[str, Any] = {}
@@ -306,42 +311,55 @@ def write_sharded_checkpoint(
     (file or directory) is replaced only once the new one is complete. Returns the path (the URL for a URL).
     """
     location = locate_checked(path)  # a URL's storage answers on every rank before anything is written
-    entries, meta = _flatten_checkpoint(checkpoint)
+    entries, meta = flatten_checkpoint(checkpoint)
     if isinstance(location, Remote):
         return _write_remote(entries, meta, location)
     target = location
-    tmp = target.parent / f".{target.name}.flatshard-tmp"
-    old = target.parent / f".{target.name}.flatshard-old"
     if global_rank() == 0:
         entries[META_KEY] = meta
+    tmp = prepare_temporary(target)
+    _dcp_save(entries, dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True))
+    _barrier()
+    if global_rank() == 0:
+        replace_directory(tmp, target)
+    _barrier()
+    return target
+
+
+def prepare_temporary(target: Path) -> Path:
+    """The empty hidden sibling a local save of ``target`` writes into (created by rank 0); all ranks call."""
+    tmp = target.parent / f".{target.name}.flatshard-tmp"
+    if global_rank() == 0:
         target.parent.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)  # left by an interrupted save
         tmp.mkdir()
     _barrier()
-    _dcp_save(entries, dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True))
-    _barrier()
-    if global_rank() == 0:
-        fsync_dir(tmp)
-        if target.exists() or target.is_symlink():
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(target, old)
-        os.replace(tmp, target)
-        fsync_dir(target.parent)
-        if old.is_dir() and not old.is_symlink():
+    return tmp
+
+
+def replace_directory(tmp: Path, target: Path) -> None:
+    """Rank 0, once every rank's data and the metadata are in ``tmp``: rename it into place, the old one aside
+    first and deleted after (see [Note: sharded checkpoint layout])."""
+    old = target.parent / f".{target.name}.flatshard-old"
+    fsync_dir(tmp)
+    if target.exists() or target.is_symlink():
+        if old.exists():
             shutil.rmtree(old)
-        elif old.exists() or old.is_symlink():
-            old.unlink()
-    _barrier()
-    return target
+        os.replace(target, old)
+    os.replace(tmp, target)
+    fsync_dir(target.parent)
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old)
+    elif old.exists() or old.is_symlink():
+        old.unlink()
 
 
 def _dcp_save(entries: dict[str, Any], writer: dcp.FileSystemWriter) -> None:
     with warnings.catch_warnings():
         # Without a process group DCP warns that it assumes a single process: that is the intent.
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
-        dcp.save(entries, storage_writer=writer, planner=_SavePlanner(entries))
+        dcp.save(entries, storage_writer=writer, planner=SavePlanner(entries))
 
 
 def _write_remote(entries: dict[str, Any], meta: dict[str, Any], target: Remote) -> str:

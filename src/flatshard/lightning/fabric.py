@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from flatshard.checkpoint import (
+    AsyncSaver,
     check_required,
     is_sharded_checkpoint,
     load_checkpoint_file,
@@ -121,6 +122,10 @@ class FlatShardFabricStrategy(ParallelStrategy):
 
     With ``compile``, the module given to ``fabric.setup`` is compiled too when it is the only unit;
     ``fabric.setup(torch.compile(model))`` compiles each unit's forward the same way (see [Note: torch.compile]).
+
+    With ``async_save=True`` (``state_dict_type="sharded"`` only), ``fabric.save`` returns once this rank's
+    pieces are copied to CPU memory and writes them in the background; the next ``fabric.save``, a
+    ``fabric.load`` and :meth:`teardown` (or :meth:`wait_for_checkpoint`) wait for it and raise its error.
     """
 
     def __init__(
@@ -149,9 +154,11 @@ class FlatShardFabricStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn"] = "popen",
         compile: bool | dict[str, Any] = False,
         desync_timeout: float | timedelta | None = 60.0,
+        async_save: bool = False,
     ) -> None:
         # Options first: the precision setter, called by the base __init__, checks the flag against them.
         self.options = StrategyOptions.from_arguments(locals())
+        self._async_saver = AsyncSaver() if self.options.async_save else None
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -345,7 +352,10 @@ class FlatShardFabricStrategy(ParallelStrategy):
                     "fabric.save(..., filter=...) is not supported with state_dict_type='sharded' (every rank writes "
                     "its own pieces of the whole state). HINT: save without filter, or use state_dict_type='full'."
                 )
-            write_sharded_checkpoint(self._sharded_checkpoint(state), path)
+            if self._async_saver is not None:  # see [Note: asynchronous sharded saves]
+                self._async_saver.save(self._sharded_checkpoint(state), path)
+            else:
+                write_sharded_checkpoint(self._sharded_checkpoint(state), path)
             return
         converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
         write_full_checkpoint(converted, path)  # rank 0 writes; every rank raises if that failed
@@ -360,6 +370,8 @@ class FlatShardFabricStrategy(ParallelStrategy):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         path = self.broadcast(path)
+        if self._async_saver is not None:
+            self._async_saver.wait(collective=True)
         if is_sharded_checkpoint(path):
             return self._load_sharded(path, state, strict)
         checkpoint = load_checkpoint_file(path, weights_only=weights_only)
@@ -393,6 +405,18 @@ class FlatShardFabricStrategy(ParallelStrategy):
                 obj.load_state_dict(local_optim[name])
         _restore_entries(state, checkpoint)
         return checkpoint
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for the asynchronous save in flight (``async_save=True``) and raise its error, naming the path."""
+        if self._async_saver is not None:
+            self._async_saver.wait()
+
+    @override
+    def teardown(self) -> None:
+        try:
+            self.wait_for_checkpoint()
+        finally:
+            super().teardown()
 
     # ------------------------------------------------------------------ sharded checkpoints
     def _split_state(

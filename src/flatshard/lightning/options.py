@@ -34,6 +34,19 @@ def _one_of(name: str, value: object, choices: tuple[str, ...], hint: str = "") 
     return value  # type: ignore[return-value]
 
 
+def _check_async_save(value: object, state_dict_type: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"async_save must be True or False, got {value!r} ({type(value).__name__}). HINT: pass a bool."
+        )
+    if value and state_dict_type == "full":
+        raise ValueError(
+            "async_save=True needs state_dict_type='sharded': a full save spends its time gathering the state "
+            "onto rank 0, a collective that cannot run in the background. HINT: set state_dict_type='sharded' "
+            "(`flatshard consolidate DIR OUT.ckpt` makes a full file from a directory later), or async_save=False."
+        )
+
+
 def _check_device_mesh(value: object) -> Any:
     if isinstance(value, (tuple, list)):
         if len(value) != 2 or not all(
@@ -80,11 +93,15 @@ class StrategyOptions:
     grad_accumulation: str = "sharded"
     device_mesh: Any = None  # hybrid: (replicas, ranks per shard group) or a 2-D DeviceMesh
     compile: Any = False  # False / True / torch.compile kwargs; after validation: None (off) or the kwargs
+    async_save: bool = (
+        False  # sharded saves written in the background (see [Note: asynchronous sharded saves])
+    )
 
     def __post_init__(self) -> None:
         errors = OptionErrors("flatshard strategy")
         errors.check(_one_of, "state_dict_type", self.state_dict_type, _STATE_DICT_TYPES)
         errors.check(_one_of, "start_method", self.start_method, _START_METHODS)
+        errors.check(_check_async_save, self.async_save, self.state_dict_type)
         errors.check(
             _one_of,
             "grad_accumulation",

@@ -24,7 +24,13 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
-from flatshard.checkpoint import load_into, remove_checkpoint, write_full_checkpoint, write_sharded_checkpoint
+from flatshard.checkpoint import (
+    AsyncSaver,
+    load_into,
+    remove_checkpoint,
+    write_full_checkpoint,
+    write_sharded_checkpoint,
+)
 from flatshard.engine import (
     BackwardPrefetch,
     CPUOffload,
@@ -99,6 +105,10 @@ class FlatShardStrategy(ParallelStrategy):
             ``"sharded"``: a directory where every rank writes its own pieces without gathering; it resumes on
             any number of devices and ``flatshard consolidate DIR OUT.ckpt`` turns it into a full file.
             Loading accepts either kind whatever this is set to. Default: ``"full"``.
+        async_save: with ``state_dict_type="sharded"``, a save copies this rank's pieces into CPU memory and
+            returns; a thread writes them while training goes on. The next save, a load, the removal of that
+            checkpoint and the end of ``fit`` wait for it, and raise its error naming the path. Local (or
+            mounted) directories only; ``"full"`` is refused. Default: ``False``.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding. Default: ``False``.
         grad_accumulation: how ``accumulate_grad_batches`` accumulates. ``"sharded"`` (default): every
             micro-batch's gradient is reduce-scattered and the gradient shards add up (least memory).
@@ -166,9 +176,11 @@ class FlatShardStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn"] = "popen",
         compile: bool | dict[str, Any] = False,
         desync_timeout: float | timedelta | None = 60.0,
+        async_save: bool = False,
     ) -> None:
         # Options first: the precision setter, called by the base __init__, checks the flag against them.
         self.options = StrategyOptions.from_arguments(locals())
+        self._async_saver = AsyncSaver() if self.options.async_save else None
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -425,6 +437,8 @@ class FlatShardStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._step_modes.end_evaluation(serve=False)
+        if self._async_saver is not None:  # a save whose peers may never finish: do not wait for it
+            self._async_saver.abandon()
 
     @override
     def optimizer_step(
@@ -496,13 +510,17 @@ class FlatShardStrategy(ParallelStrategy):
                 "FlatShardStrategy.save_checkpoint(..., storage_options=...) is not supported: flatshard writes "
                 "checkpoints itself. HINT: drop storage_options."
             )
-        if self.options.state_dict_type == "sharded":
+        if self._async_saver is not None:  # see [Note: asynchronous sharded saves]
+            self._async_saver.save(checkpoint, filepath)
+        elif self.options.state_dict_type == "sharded":
             write_sharded_checkpoint(checkpoint, filepath)
         else:
             write_full_checkpoint(checkpoint, filepath)  # rank 0 writes; every rank raises if it failed
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
+        if self._async_saver is not None:
+            self._async_saver.wait_for(filepath)  # another path is safe to remove while a save is written
         if self.is_global_zero:
             remove_checkpoint(filepath)  # a file or a sharded directory, local or at a URL
 
@@ -513,6 +531,8 @@ class FlatShardStrategy(ParallelStrategy):
         Returns the rest of the checkpoint for Lightning to restore loops, callbacks and schedulers.
         """
         path = self.broadcast(checkpoint_path)
+        if self._async_saver is not None:
+            self._async_saver.wait(collective=True)
         assert self.model is not None and self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         return load_into(
@@ -527,6 +547,13 @@ class FlatShardStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ teardown / registry
     @override
     def teardown(self) -> None:
+        try:
+            if self._async_saver is not None:
+                self._async_saver.wait()  # the last save is complete (or its error raised) when fit returns
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
         pl_module = self.lightning_module
         if (
             pl_module is not None

@@ -1,0 +1,310 @@
+"""Asynchronous sharded saves: stage a copy in CPU memory, write it in the background while training goes on.
+
+[Note: asynchronous sharded saves]
+A sharded save (see [Note: sharded checkpoint layout]) has three parts: planning (DCP's save plans go to rank 0
+and back: collectives), writing (each rank writes its own data file: no communication), and finishing (rank 0
+writes ``.metadata`` into the hidden directory and renames it into place once every rank has written).
+:meth:`AsyncSaver.save` does on the calling (training) thread everything that needs a collective or the live
+state: it waits for the previous save, copies this rank's entries (model pieces, optimizer state pieces and, on
+rank 0, ``extra``) into fresh CPU memory, so training may change the live tensors as soon as it returns,
+prepares the hidden directory and exchanges the plans. A thread of its own then writes the data file and, on
+rank 0, finishes.
+
+The background thread never runs a collective: collectives from two threads of one process would interleave
+with training's on the same process group. So the ranks tell rank 0 that they are done through the shared
+directory they all write into (a local sharded save already needs one, since rank 0 renames what every rank
+wrote): each writes a marker file ``.flatshard-done-<rank>`` holding its write results (or
+``.flatshard-error-<rank>`` with its error), and rank 0's thread waits for them, writes ``.metadata``, removes
+the markers and renames the directory. Nothing changes for atomicity: the checkpoint appears only complete, and
+a process killed at any point leaves the previous checkpoint of that name as it was (the next save removes the
+hidden directory it left).
+
+This is flatshard's own thread rather than DCP's ``async_save``: that one runs DCP's whole ``save``, plans and
+final gather included, in its background thread, so its collectives need a process group of their own, and
+its staging knows nothing of flatshard's piece entries; the local rename after every rank has finished would
+still need a collective at the end.
+
+The next save, a load and the end of training wait for the write in flight; so does the removal of the
+checkpoint being written (removing another one is safe meanwhile: a save touches only its own name and hidden
+siblings). A failed write is raised by the next of those calls, naming the path and the rank; where every rank
+calls (a save, a load) every rank raises. URLs are refused (an object store's data objects and metadata are
+written by DCP's collective finish, see [Note: checkpoint storage]); save them with ``async_save=False``.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import threading
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.utils import _DistWrapper
+
+from flatshard.checkpoint.errors import CheckpointError
+from flatshard.checkpoint.sharded import (
+    META_KEY,
+    SavePlanner,
+    flatten_checkpoint,
+    prepare_temporary,
+    replace_directory,
+)
+from flatshard.checkpoint.storage import is_url, locate
+from flatshard.checkpoint.validate import agree_on_error
+from flatshard.engine import ParamShard, global_rank
+
+__all__ = ["PEER_TIMEOUT_S", "AsyncSaver", "stage_entries"]
+
+PEER_TIMEOUT_S = 1800.0  # how long rank 0's writer thread waits for the other ranks' data files
+_POLL_S = 0.02
+_DONE, _ERROR = ".flatshard-done-", ".flatshard-error-"
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------- staging
+def stage_entries(entries: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of DCP entries in CPU memory that shares nothing with the live state (see [Note: asynchronous
+    sharded saves]): pieces and tensors copied into fresh, compact CPU tensors (pinned from CUDA), objects
+    through a ``torch.save`` round trip (which also raises here, not in the background, for one that cannot be
+    saved)."""
+    staged: dict[str, Any] = {}
+    copied_from_cuda = False
+    for fqn, value in entries.items():
+        if isinstance(value, ParamShard):
+            copied_from_cuda |= value.local.is_cuda
+            staged[fqn] = ParamShard(_copy_tensor(value.local), value.offset, value.shape)
+        elif isinstance(value, torch.Tensor):
+            copied_from_cuda |= value.is_cuda
+            staged[fqn] = _copy_tensor(value)
+        else:
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            buf.seek(0)
+            staged[fqn] = torch.load(buf, map_location="cpu", weights_only=False)
+    if copied_from_cuda:
+        torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
+    return staged
+
+
+def _copy_tensor(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+    return out.copy_(t.detach(), non_blocking=t.is_cuda)
+
+
+# ---------------------------------------------------------------------------------------------- one save
+@dataclass(eq=False)
+class _Job:
+    """One save in flight: what its thread needs, and what it left."""
+
+    target: Path
+    tmp: Path
+    rank: int
+    world: int
+    writer: dcp.FileSystemWriter
+    planner: SavePlanner
+    plan: SavePlan
+    metadata: Metadata | None  # rank 0 only
+    peer_timeout_s: float
+    thread: threading.Thread | None = None
+    error: BaseException | None = field(default=None)
+    abandoned: threading.Event = field(default_factory=threading.Event)  # the run failed: stop waiting
+
+
+def _plan(entries: dict[str, Any], tmp: Path) -> tuple[dcp.FileSystemWriter, SavePlanner, SavePlan, Any]:
+    """DCP's planning step (collective when a process group exists), as ``dcp.save`` runs it."""
+    distributed = dist.is_available() and dist.is_initialized()
+    dist_wrapper = _DistWrapper(None, distributed, 0)
+    writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True)
+    planner = SavePlanner(entries)
+    metadata: list[Metadata] = []
+
+    def local_step() -> SavePlan:
+        planner.set_up_planner(entries, writer.storage_meta(), dist_wrapper.is_coordinator)
+        writer.set_up_storage_writer(
+            dist_wrapper.is_coordinator, rank=dist_wrapper.rank, use_collectives=True
+        )
+        return writer.prepare_local_plan(planner.create_local_plan())
+
+    def global_step(plans: list[SavePlan]) -> list[SavePlan]:
+        plans, global_metadata = planner.create_global_plan(plans)
+        metadata.append(global_metadata)
+        return writer.prepare_global_plan(plans)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
+        if distributed:
+            plan = dist_wrapper.reduce_scatter("plan", local_step, global_step)
+        else:
+            plan = global_step([local_step()])[0]
+    return writer, planner, plan, metadata[0] if metadata else None
+
+
+def _write_marker(directory: Path, name: str, payload: bytes) -> None:
+    partial = directory / f"{name}.partial"
+    partial.write_bytes(payload)
+    os.replace(partial, directory / name)
+
+
+def _run(job: _Job) -> None:
+    """The background thread: this rank's data file, then (rank 0) the metadata and the rename."""
+    try:
+        final = job.planner.finish_plan(job.plan)
+        future = job.writer.write_data(final, job.planner)
+        future.wait()
+        results: list[WriteResult] = future.value()
+        if job.rank != 0:
+            _write_marker(job.tmp, f"{_DONE}{job.rank}", pickle.dumps(results))
+            return
+        all_results = [results, *_peer_results(job)]
+        assert job.metadata is not None
+        job.writer.finish(job.metadata, all_results)
+        for rank in range(1, job.world):
+            (job.tmp / f"{_DONE}{rank}").unlink(missing_ok=True)
+        replace_directory(job.tmp, job.target)
+    except BaseException as err:  # DCP's error is a BaseException; kept for the next wait
+        job.error = err
+        if job.rank != 0:
+            try:
+                _write_marker(job.tmp, f"{_ERROR}{job.rank}", f"{type(err).__name__}: {err}".encode())
+            except OSError:
+                pass  # rank 0 reports the timeout; this rank reports its own error
+
+
+def _peer_results(job: _Job) -> list[list[WriteResult]]:
+    """Rank 0: the other ranks' write results, read from their markers as they appear."""
+    results: dict[int, list[WriteResult]] = {}
+    deadline = time.monotonic() + job.peer_timeout_s
+    while len(results) < job.world - 1:
+        if job.abandoned.is_set():
+            raise CheckpointError(
+                "abandoned: the run failed before every rank finished writing its data file; the previous "
+                "checkpoint at this path is unchanged"
+            )
+        for rank in range(1, job.world):
+            if rank in results:
+                continue
+            error = job.tmp / f"{_ERROR}{rank}"
+            if error.exists():
+                raise CheckpointError(f"rank {rank} could not write its data file ({error.read_text()})")
+            done = job.tmp / f"{_DONE}{rank}"
+            if done.exists():
+                results[rank] = pickle.loads(done.read_bytes())
+        if len(results) < job.world - 1:
+            if time.monotonic() > deadline:
+                missing = [r for r in range(1, job.world) if r not in results]
+                raise CheckpointError(
+                    f"ranks {missing} did not finish writing their data files within {job.peer_timeout_s:.0f} s "
+                    f"(no {_DONE}<rank> marker in {job.tmp}; every rank must see the same directory)"
+                )
+            time.sleep(_POLL_S)
+    return [results[r] for r in range(1, job.world)]
+
+
+# ---------------------------------------------------------------------------------------------- the saver
+class AsyncSaver:
+    """Sharded saves written in the background, one at a time (see [Note: asynchronous sharded saves]).
+
+    Args:
+        peer_timeout_s: how long rank 0's writer thread waits for the other ranks' data files. Default: 1800.
+    """
+
+    def __init__(self, peer_timeout_s: float = PEER_TIMEOUT_S) -> None:
+        self.peer_timeout_s = peer_timeout_s
+        self._job: _Job | None = None
+
+    @property
+    def in_flight(self) -> Path | None:
+        """The path of the save being written (or written and not yet waited for), if any."""
+        return None if self._job is None else self._job.target
+
+    @property
+    def writing(self) -> bool:
+        """Whether the background thread is still writing (the save is in flight and not finished)."""
+        job = self._job
+        return job is not None and job.thread is not None and job.thread.is_alive()
+
+    def save(self, checkpoint: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+        """Stage ``checkpoint`` (holding sharded state) and start writing it to the directory ``path``; every
+        rank calls. Waits for the previous save first and raises its error on every rank. Returns the path."""
+        self.wait(collective=True)
+        if is_url(path):
+            raise ValueError(
+                f"async_save=True cannot write to the URL {os.fspath(path)}: asynchronous saves are written to "
+                "local (or shared, mounted) directories only. HINT: set async_save=False to save to URLs, or save "
+                "to a local directory and upload it."
+            )
+        target = locate(path)
+        assert isinstance(target, Path)
+        entries, meta = flatten_checkpoint(checkpoint)
+        rank = global_rank()
+        if rank == 0:
+            entries[META_KEY] = meta
+        staged = stage_entries(entries)
+        del entries
+        tmp = prepare_temporary(target)
+        writer, planner, plan, metadata = _plan(staged, tmp)
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        job = _Job(target, tmp, rank, world, writer, planner, plan, metadata, self.peer_timeout_s)
+        job.thread = threading.Thread(target=_run, args=(job,), name=f"flatshard-save-{target.name}")
+        self._job = job
+        job.thread.start()
+        return target
+
+    def wait(self, *, collective: bool = False) -> None:
+        """Wait for the save in flight; raise its error naming the path. ``collective``: every rank calls, and
+        every rank raises if the save failed on any (otherwise only the ranks that saw it fail raise)."""
+        job, self._job = self._job, None
+        if job is None:
+            return
+        assert job.thread is not None
+        job.thread.join()
+        error = None if job.error is None else _failed(job)
+        if collective:
+            agree_on_error(error, f"The asynchronous save of {job.target}")
+        elif error is not None:
+            raise error
+
+    def abandon(self, timeout_s: float = 10.0) -> None:
+        """The run failed: stop waiting for peers that may never finish, give the writer ``timeout_s`` to
+        return, and forget the save (its hidden directory is never renamed into place, so a previous checkpoint
+        at that path stays intact). Never raises; nothing collective."""
+        job, self._job = self._job, None
+        if job is None or job.thread is None:
+            return
+        job.abandoned.set()
+        job.thread.join(timeout=timeout_s)
+
+    def wait_for(self, path: str | os.PathLike[str]) -> None:
+        """Wait (on this rank) if the save in flight writes ``path``; before removing it, for instance."""
+        job = self._job
+        if job is not None and not is_url(path) and _same_path(locate(path), job.target):
+            self.wait()
+
+
+def _same_path(a: Any, b: Path) -> bool:
+    return isinstance(a, Path) and os.path.abspath(a) == os.path.abspath(b)
+
+
+def _failed(job: _Job) -> CheckpointError:
+    err = job.error
+    assert err is not None
+    failure = CheckpointError(
+        f"The asynchronous save of {job.target} failed on rank {job.rank} ({type(err).__name__}: {err}). That "
+        "checkpoint was not written; a previous checkpoint at that path is unchanged. HINT: fix the cause (disk "
+        "space, permissions, a directory every rank sees) and save again; the training state is unaffected."
+    )
+    failure.__cause__ = err
+    return failure
