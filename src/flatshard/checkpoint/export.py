@@ -32,8 +32,7 @@ import json
 import os
 import struct
 import sys
-import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -41,9 +40,9 @@ from typing import IO, Any
 import torch
 
 from flatshard.checkpoint.errors import CheckpointError
-from flatshard.checkpoint.files import fsync_dir, load_checkpoint_file
+from flatshard.checkpoint.files import atomic_write, load_checkpoint_file
 from flatshard.checkpoint.sharded import ShardedReader, is_sharded_checkpoint
-from flatshard.checkpoint.storage import Remote, locate, locate_checked, remote_kind, storage_error
+from flatshard.checkpoint.storage import Remote, locate, locate_checked
 from flatshard.engine import ParamShard
 from flatshard.version import __version__
 
@@ -212,7 +211,7 @@ def export_safetensors(
             for entry, tensor in _tensors(entries, state.reader):
                 _write_tensor(f, entry, tensor, bar)
 
-    path = _write_local(target, write) if isinstance(target, Path) else _write_remote(target, write)
+    path = atomic_write(target, write)
     return ExportResult(path, len(entries), total, aliases, tuple(state.notes))
 
 
@@ -535,46 +534,6 @@ def _write_tensor(f: IO[bytes], entry: _Entry, tensor: torch.Tensor, bar: _Progr
         chunk = data[start : start + _CHUNK_BYTES]
         f.write(chunk.numpy().data)
         bar.update(chunk.numel())
-
-
-def _write_local(target: Path, write: Callable[[IO[bytes]], None]) -> Path:
-    """Write via a temporary file beside ``target``, fsync and rename: a crash leaves any old file intact."""
-    if target.is_dir():
-        raise IsADirectoryError(f"Cannot write {target}: a directory of that name exists.")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if target.exists() and hasattr(os, "fchmod"):
-                os.fchmod(f.fileno(), target.stat().st_mode & 0o7777)
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(target.parent)
-    return target
-
-
-def _write_remote(target: Remote, write: Callable[[IO[bytes]], None]) -> str:
-    """Stream to ``target`` in an fsspec transaction: the object appears whole or not at all."""
-    if remote_kind(target) in ("sharded", "incomplete"):
-        raise IsADirectoryError(
-            f"Cannot write {target.url}: a directory (sharded checkpoint) of that name exists."
-        )
-    try:
-        with target.fs.transaction, target.fs.open(target.path, "wb") as f:
-            write(f)
-    except CheckpointError:
-        raise
-    except Exception as err:
-        raise storage_error(target, err, "write it") from err
-    finally:
-        target.refresh()
-    return target.url
 
 
 class _Progress:

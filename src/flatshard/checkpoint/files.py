@@ -14,8 +14,9 @@ import pickle
 import socket
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -31,7 +32,14 @@ from flatshard.checkpoint.storage import (
 from flatshard.checkpoint.validate import agree_on_error
 from flatshard.engine import global_rank
 
-__all__ = ["CheckpointError", "atomic_save", "fsync_dir", "load_checkpoint_file", "write_full_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "atomic_save",
+    "atomic_write",
+    "fsync_dir",
+    "load_checkpoint_file",
+    "write_full_checkpoint",
+]
 
 _READ_ERRORS = (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError)
 
@@ -56,13 +64,23 @@ def write_full_checkpoint(checkpoint: Any, path: str | os.PathLike[str] | Remote
 def atomic_save(obj: Any, path: str | os.PathLike[str] | Remote) -> Path | str:
     """``torch.save`` to ``path`` via a temporary file, fsync and rename; at a URL in one committed upload.
 
+    See :func:`atomic_write`. Returns the path (the URL for a URL).
+    """
+    return atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def atomic_write(path: str | os.PathLike[str] | Remote, write: Callable[[IO[bytes]], None]) -> Path | str:
+    """Write ``path`` with ``write(file)``: locally via a temporary file, fsync and rename, so a crash leaves any
+    old file intact; at a URL in an fsspec transaction, so the object appears whole or not at all.
+
     The file gets the permissions ``open()`` would give it (those of the file it replaces, else
     ``0o666`` less the umask), and temporary files left by an earlier save of the same name on this host
-    whose process is gone are removed. Returns the path (the URL for a URL).
+    whose process is gone are removed. A :class:`CheckpointError` raised by ``write`` passes unchanged; other
+    errors at a URL are reported naming it. Returns the path (the URL for a URL).
     """
     target = locate(path)
     if isinstance(target, Remote):
-        return _save_remote(obj, target)
+        return _write_remote(target, write)
     if target.is_dir():
         raise IsADirectoryError(f"Cannot write the checkpoint {target}: a directory of that name exists.")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -75,7 +93,7 @@ def atomic_save(obj: Any, path: str | os.PathLike[str] | Remote) -> Path | str:
         with os.fdopen(fd, "wb") as f:
             if hasattr(os, "fchmod"):
                 os.fchmod(f.fileno(), mode)
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_name, target)
@@ -87,14 +105,16 @@ def atomic_save(obj: Any, path: str | os.PathLike[str] | Remote) -> Path | str:
     return target
 
 
-def _save_remote(obj: Any, target: Remote) -> str:
+def _write_remote(target: Remote, write: Callable[[IO[bytes]], None]) -> str:
     if remote_kind(target) in ("sharded", "incomplete"):
         raise IsADirectoryError(
             f"Cannot write the checkpoint {target.url}: a directory (sharded checkpoint) of that name exists."
         )
     try:
         with target.fs.transaction, target.fs.open(target.path, "wb") as f:  # committed on success only
-            torch.save(obj, f)
+            write(f)
+    except CheckpointError:
+        raise
     except Exception as err:
         raise storage_error(target, err, "write it") from err
     finally:
