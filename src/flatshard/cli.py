@@ -37,21 +37,24 @@ def _inspect_sharded(path: str, show_all: bool) -> int:
 
     reader = ShardedReader(path)
     meta = reader.meta
-    extra = reader.read_objects(["extra"]).get("extra") or {}
+    layout = reader.layout()
+    extra = reader.read_extra(layout)
     print(f"sharded checkpoint: {path}")
-    print(
-        f"  format {meta['format']} v{meta['version']}, written by {meta['world_size']} ranks "
-        f"(flatshard {meta['flatshard_version']}, torch {meta['torch_version']})"
-    )
+    if reader.version:
+        print(
+            f"  format {meta['format']} v{meta['version']}, written by {meta['world_size']} ranks "
+            f"(flatshard {meta['flatshard_version']}, torch {meta['torch_version']})"
+        )
+    else:
+        print("  a torch.distributed.checkpoint directory written by another tool (torch FSDP, Lightning)")
     for key in ("epoch", "global_step", "pytorch-lightning_version"):
         if key in extra:
             print(f"  {key}: {extra[key]}")
-    keys = meta.get("model_keys") or []
-    aliases = meta.get("aliases", {})
+    model = layout.model or {}
+    aliases = layout.aliases
     numel = 0
     rows = []
-    for key in keys:
-        fqn = "model/" + aliases.get(key, key)
+    for key, fqn in model.items():
         if reader.is_object(fqn):
             rows.append((key, "object", ""))
             continue
@@ -61,14 +64,13 @@ def _inspect_sharded(path: str, show_all: bool) -> int:
             numel += md.size.numel()
         dtype = str(md.properties.dtype).replace("torch.", "") if md is not None else "?"
         rows.append((key, shape, dtype + (f" (tied to {aliases[key]})" if key in aliases else "")))
-    print(f"  state_dict: {len(keys)} entries, {_human(numel)} elements")
+    print(f"  state_dict: {len(model)} entries, {_human(numel)} elements")
     for key, shape, dtype in rows if show_all else rows[:20]:
         print(f"    {key:<60} {shape:<20} {dtype}")
     if not show_all and len(rows) > 20:
         print(f"    ... {len(rows) - 20} more (use --all)")
-    for k in range(meta.get("num_optimizers") or 0):
-        state_keys = sorted({f.rpartition("/")[2] for f in reader.keys_with_prefix(f"optim/{k}/state/")})
-        print(f"  optimizer #{k}: state keys {state_keys}")
+    for k, (_, state) in enumerate(layout.optimizers):
+        print(f"  optimizer #{k}: state keys {sorted({key for _, key in state.values()})}")
     return 0
 
 

@@ -90,7 +90,7 @@ def test_killed_async_save_keeps_the_previous_directory(dirs: tuple[Path, Path])
     done = json.loads((markers / f"done-{previous}.json").read_text())
     expect = json.loads((markers / f"expect-{previous}.json").read_text())
     assert file_digests(path) == done["files"]
-    assert sorted(done["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(done["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
 
     model, opt = _fresh_sharded_model()
     assert flatshard.load_checkpoint(path, model, opt) == {"save": previous}

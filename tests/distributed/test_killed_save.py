@@ -212,7 +212,7 @@ def test_killed_sharded_save_keeps_the_previous_directory(dirs: tuple[Path, Path
     state = _run_until_killed_mid_save("sharded", path, markers)
     _check_killed_mid_save(state, path)
     assert is_sharded_checkpoint(path)
-    assert sorted(state["done"]["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(state["done"]["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
     (tmp,) = state["tmp"]
     assert not is_sharded_checkpoint(tmp)  # no .metadata: the interrupted save is not a checkpoint
 

@@ -230,7 +230,9 @@ def test_damaged_sharded_checkpoint_fails_before_any_change(
         expected = "shape"
     else:
         spawn(_write_future_version, 2, str(ckpt))
-        expected = "format version 2"
+        from flatshard.checkpoint.sharded import FORMAT_VERSION
+
+        expected = f"format version {FORMAT_VERSION + 1}"
     results = spawn(_damaged_loader, 2, str(ckpt))
     for r in results:
         assert r["error"] is not None and expected in r["error"] and str(ckpt) in r["error"], r["error"]

@@ -244,7 +244,7 @@ def test_remove_of_the_path_in_flight_waits(tmp_path: Path) -> None:
     assert saver.in_flight == tmp_path / "b"
     saver.wait_for(tmp_path / "b")
     assert saver.in_flight is None
-    assert sorted(os.listdir(tmp_path / "b")) == [".metadata", "__0_0.distcp"]
+    assert sorted(os.listdir(tmp_path / "b")) == [".metadata", "__0_0.distcp", "meta.pt"]
 
 
 # ------------------------------------------------------------------------------------- Fabric
@@ -286,4 +286,4 @@ def _fabric_run(rank: int, world: int, tmp: str) -> dict[str, float]:
 def test_fabric_async_save_and_load(tmp_path: Path) -> None:
     for result in spawn(_fabric_run, 2, str(tmp_path)):
         assert result == {"weights": 0.0, "optim": 0.0, "step": 1.0}
-    assert sorted(os.listdir(tmp_path / "ckpt")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]

@@ -1,6 +1,7 @@
 """``flatshard.lightning.ShardedEMA``: the EMA of the weights, kept per shard, equals a plain EMA of the
-single-device run's weights (same global batch) to 1e-5; checkpoints carry it consolidated under the model's
-names (full files and sharded directories), and a run resumed on another number of ranks goes on from it.
+single-device run's weights (same global batch) to 1e-5; full files carry it consolidated under the model's
+names, sharded directories as each rank's pieces (no gather), and a run resumed on another number of ranks goes
+on from either.
 
 Global batch 6 (2 ranks x 3, 3 ranks x 2, 1 device x 6), 3 steps per epoch: 2 ranks train epoch 1 and save,
 3 ranks resume for epoch 2; the reference trains both epochs on one device."""
@@ -17,6 +18,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 import flatshard
+from flatshard.checkpoint import ShardedReader
+from flatshard.checkpoint.dcp_layout import StoredPiece
 from flatshard.checkpoint.export import export_safetensors, load_safetensors
 from flatshard.lightning import ShardedEMA
 from flatshard.testing import spawn
@@ -106,6 +109,20 @@ def test_sharded_ema_equals_the_plain_ema_and_resumes_on_another_world_size(tmp_
     assert state["num_updates"] == STEPS
     plain = LitGPT()
     plain.load_state_dict(state["ema_state_dict"], strict=True)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(p.detach(), after_first[name], **TOL)
+    # the sharded directory stores the EMA as pieces under the parameters' full shapes, not one gathered object
+    reader = ShardedReader(tmp_path / "sharded.ckpt")
+    stored = _ema_state_of(reader.read_extra())["ema_state_dict"]
+    assert isinstance(stored["model.wte.weight"], StoredPiece) and stored["model.wte.weight"].shape == (
+        37,
+        13,
+    )
+    assert stored["model.head.weight"] == stored["model.wte.weight"]  # tied: stored once
+    assert reader.full_shape(stored["model.wte.weight"].fqn) == (37, 13)
+    consolidated = load_ckpt(flatshard.consolidate(tmp_path / "sharded.ckpt", tmp_path / "consolidated.ckpt"))
+    plain = LitGPT()
+    plain.load_state_dict(_ema_state_of(consolidated)["ema_state_dict"], strict=True)
     for name, p in plain.named_parameters():
         torch.testing.assert_close(p.detach(), after_first[name], **TOL)
     for kind in ("sharded", "full"):  # the export of the EMA, from a directory and from a file

@@ -17,7 +17,7 @@ import torch
 
 import flatshard
 from flatshard import cli
-from flatshard.checkpoint import CheckpointError, is_sharded_checkpoint, remove_checkpoint, sharded
+from flatshard.checkpoint import CheckpointError, is_sharded_checkpoint, remote_dcp, remove_checkpoint
 from flatshard.testing import find_free_port, spawn
 from flatshard.testing.models import Block, TinyGPT, make_batch
 
@@ -94,7 +94,7 @@ def test_full_and_sharded_checkpoints_round_trip_through_s3_on_two_ranks(
         }
     assert _objects(s3_url) == ["full.ckpt", "sharded.ckpt"]
     data = [o for o in _objects(f"{s3_url}/sharded.ckpt") if o.endswith(".distcp")]
-    assert _objects(f"{s3_url}/sharded.ckpt") == sorted([".metadata", *data]) and len(data) == 2
+    assert _objects(f"{s3_url}/sharded.ckpt") == sorted([".metadata", "meta.pt", *data]) and len(data) == 2
 
 
 def _save_to_unreachable(rank: int, world: int, url: str, cwd: str) -> dict[str, str]:
@@ -161,7 +161,7 @@ def test_replacing_a_checkpoint_on_s3_keeps_the_old_one_until_the_new_metadata_i
         raise RuntimeError("killed before the metadata was written")
 
     with monkeypatch.context() as mp:
-        mp.setattr(sharded._RemoteWriter, "finish", killed)
+        mp.setattr(remote_dcp.RemoteWriter, "finish", killed)
         with pytest.raises(CheckpointError, match="could not write the sharded checkpoint"):
             flatshard.save_checkpoint(
                 url, new_model, new_optimizer, state_dict_type="sharded", extra={"step": 2}
@@ -175,7 +175,7 @@ def test_replacing_a_checkpoint_on_s3_keeps_the_old_one_until_the_new_metadata_i
     fsspec.filesystem("s3").pipe_file(f"{url}/notes.txt", b"not flatshard's")
     flatshard.save_checkpoint(url, new_model, new_optimizer, state_dict_type="sharded", extra={"step": 2})
     data = [o for o in _objects(url) if o.endswith(".distcp")]
-    assert _objects(url) == sorted([".metadata", "notes.txt", *data]) and len(data) == 1
+    assert _objects(url) == sorted([".metadata", "meta.pt", "notes.txt", *data]) and len(data) == 1
     assert flatshard.load_checkpoint(url, fresh, fresh_optimizer) == {"step": 2}
     _assert_same_state(_full_state(fresh, fresh_optimizer), _full_state(new_model, new_optimizer))
     remove_checkpoint(url)

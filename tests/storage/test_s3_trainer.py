@@ -105,7 +105,8 @@ def test_model_checkpoint_writes_sharded_directories_to_s3_and_removes_the_repla
         assert is_sharded_checkpoint(url), url
         objects = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(url, refresh=True))
         data = [o for o in objects if o.endswith(".distcp")]
-        assert objects == sorted([".metadata", *data]) and len(data) == 2, objects  # one data object per rank
+        assert objects == sorted([".metadata", "meta.pt", *data]), objects
+        assert len(data) == 2, objects  # one data object per rank
     for rank in first_run["ranks"]:
         assert rank["best"] == f"{dirpath}/epoch=1-step=6.ckpt" and rank["last"] == f"{dirpath}/last.ckpt"
         expected = reference["losses"][: FIRST_EPOCHS * STEPS_PER_EPOCH]

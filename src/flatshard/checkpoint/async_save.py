@@ -53,13 +53,15 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
 
+from flatshard.checkpoint.dcp_layout import Names
 from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.sharded import (
-    META_KEY,
+    EXTRA_KEY,
     SavePlanner,
     flatten_checkpoint,
     prepare_temporary,
     replace_directory,
+    write_lightning_meta,
 )
 from flatshard.checkpoint.storage import is_url, locate
 from flatshard.checkpoint.validate import agree_on_error
@@ -123,12 +125,14 @@ class _Job:
     abandoned: threading.Event = field(default_factory=threading.Event)  # the run failed: stop waiting
 
 
-def _plan(entries: dict[str, Any], tmp: Path) -> tuple[dcp.FileSystemWriter, SavePlanner, SavePlan, Any]:
+def _plan(
+    entries: dict[str, Any], paths: dict[str, tuple[str | int, ...]], tmp: Path
+) -> tuple[dcp.FileSystemWriter, SavePlanner, SavePlan, Any]:
     """DCP's planning step (collective when a process group exists), as ``dcp.save`` runs it."""
     distributed = dist.is_available() and dist.is_initialized()
     dist_wrapper = _DistWrapper(None, distributed, 0)
     writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True)
-    planner = SavePlanner(entries)
+    planner = SavePlanner(entries, paths)
     metadata: list[Metadata] = []
 
     def local_step() -> SavePlan:
@@ -170,6 +174,7 @@ def _run(job: _Job) -> None:
             return
         all_results = [results, *_peer_results(job)]
         assert job.metadata is not None
+        write_lightning_meta(job.planner.entry(EXTRA_KEY), job.tmp)
         job.writer.finish(job.metadata, all_results)
         for rank in range(1, job.world):
             (job.tmp / f"{_DONE}{rank}").unlink(missing_ok=True)
@@ -236,9 +241,12 @@ class AsyncSaver:
         job = self._job
         return job is not None and job.thread is not None and job.thread.is_alive()
 
-    def save(self, checkpoint: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+    def save(
+        self, checkpoint: Mapping[str, Any], path: str | os.PathLike[str], names: Names | None = None
+    ) -> Path:
         """Stage ``checkpoint`` (holding sharded state) and start writing it to the directory ``path``; every
-        rank calls. Waits for the previous save first and raises its error on every rank. Returns the path."""
+        rank calls. Waits for the previous save first and raises its error on every rank. ``names``: see
+        :func:`~flatshard.checkpoint.sharded.flatten_checkpoint`. Returns the path."""
         self.wait(collective=True)
         if is_url(path):
             raise ValueError(
@@ -248,14 +256,13 @@ class AsyncSaver:
             )
         target = locate(path)
         assert isinstance(target, Path)
-        entries, meta = flatten_checkpoint(checkpoint)
+        flat = flatten_checkpoint(checkpoint, names)
         rank = global_rank()
-        if rank == 0:
-            entries[META_KEY] = meta
-        staged = stage_entries(entries)
-        del entries
+        staged = stage_entries(flat.entries)
+        paths = flat.paths
+        del flat
         tmp = prepare_temporary(target)
-        writer, planner, plan, metadata = _plan(staged, tmp)
+        writer, planner, plan, metadata = _plan(staged, paths, tmp)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         job = _Job(target, tmp, rank, world, writer, planner, plan, metadata, self.peer_timeout_s)
         job.thread = threading.Thread(target=_run, args=(job,), name=f"flatshard-save-{target.name}")

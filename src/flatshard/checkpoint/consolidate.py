@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.export import export_safetensors
 from flatshard.checkpoint.files import atomic_save
 from flatshard.checkpoint.sharded import OBJECT, ShardedReader
@@ -29,21 +30,27 @@ def consolidate(src: str | os.PathLike[str] | Remote, out: str | os.PathLike[str
         return export_safetensors(src, out).path
     target = locate_checked(out)  # an unreachable destination fails before anything is read
     reader = ShardedReader(src)
-    meta = reader.meta
-    targets: dict[str, Any] = {"extra": OBJECT}
-    for fqn in reader.entries:
-        if fqn.startswith(("model/", "optim/")):
-            if reader.is_object(fqn):
-                targets[fqn] = OBJECT
-            elif reader.is_piece(fqn):
-                md = reader.tensor_meta(fqn)
-                assert md is not None
-                shape = reader.full_shape(fqn)
-                targets[fqn] = ParamShard(torch.empty(md.size, dtype=md.properties.dtype), 0, shape)
-            else:
-                md = reader.tensor_meta(fqn)
-                assert md is not None
-                targets[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+    layout = reader.layout()
+    if layout.model is None and not layout.optimizers:
+        raise CheckpointError(
+            f"Sharded checkpoint {reader.path} holds no model or optimizer state that flatshard recognises (its "
+            f"entries include {sorted(reader.entries)[:6]}). HINT: pass a directory written by flatshard, "
+            "Lightning's FSDP or ModelParallel strategies, or torch FSDP with a 'model' entry."
+        )
+    targets: dict[str, Any] = {}
+    wanted = list((layout.model or {}).values())
+    for _, state_entries in layout.optimizers:
+        wanted += list(state_entries)
+    for fqn in dict.fromkeys(wanted):
+        md = reader.tensor_meta(fqn)
+        if md is None:
+            targets[fqn] = OBJECT
+        elif reader.is_piece(fqn):  # format version 1: stored flat
+            targets[fqn] = ParamShard(
+                torch.empty(md.size, dtype=md.properties.dtype), 0, reader.full_shape(fqn)
+            )
+        else:
+            targets[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
     objects = reader.read(targets)
 
     def value(fqn: str) -> Any:
@@ -52,21 +59,18 @@ def consolidate(src: str | os.PathLike[str] | Remote, out: str | os.PathLike[str
             return objects[fqn]
         return t.local.view(t.shape) if isinstance(t, ParamShard) else t
 
-    checkpoint: dict[str, Any] = dict(objects.get("extra") or {})
-    if meta.get("model_keys") is not None:
-        aliases = meta.get("aliases", {})
-        checkpoint["state_dict"] = {k: value("model/" + aliases.get(k, k)) for k in meta["model_keys"]}
-    if meta.get("num_optimizers") is not None:
+    checkpoint: dict[str, Any] = reader.with_whole_pieces(reader.read_extra(layout))
+    if layout.model is not None:
+        checkpoint["state_dict"] = {k: value(fqn) for k, fqn in layout.model.items()}
+    if layout.num_optimizers is not None:
         states = []
-        for k in range(meta["num_optimizers"]):
-            groups = objects[f"optim/{k}/groups"]
+        for groups_root, entries in layout.optimizers:
+            groups = reader.param_groups(groups_root)
             order = [name for g in groups for name in g["params"]]
             index = {name: i for i, name in enumerate(order)}
-            prefix = f"optim/{k}/state/"
             state: dict[int, dict[str, Any]] = {}
-            for fqn in targets:
-                if fqn.startswith(prefix):
-                    name, _, key = fqn[len(prefix) :].rpartition("/")
+            for fqn, (name, key) in entries.items():
+                if name in index:
                     state.setdefault(index[name], {})[key] = value(fqn)
             start, plain_groups = 0, []
             for g in groups:

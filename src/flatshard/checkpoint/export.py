@@ -278,16 +278,14 @@ def _open(src: str | os.PathLike[str] | Remote) -> _State:
 
 
 def _sharded_state(reader: ShardedReader) -> _State:
-    keys = reader.meta.get("model_keys")
-    if keys is None:
+    layout = reader.layout()
+    if not layout.model:
         raise CheckpointError(
             f"Checkpoint {reader.path} holds no model state ('state_dict'). HINT: pass a checkpoint written by "
-            "Trainer.save_checkpoint or flatshard.save_checkpoint."
+            "Trainer.save_checkpoint or flatshard.save_checkpoint, or by Lightning's FSDP strategies."
         )
-    aliases: dict[str, str] = reader.meta.get("aliases", {})
     values: dict[str, Any] = {}
-    for key in keys:
-        fqn = "model/" + aliases.get(key, key)
+    for key, fqn in layout.model.items():
         md = reader.tensor_meta(fqn)
         if md is not None:
             values[key] = _Stored(fqn, md.properties.dtype, reader.full_shape(fqn), reader.is_piece(fqn))
@@ -298,8 +296,8 @@ def _sharded_state(reader: ShardedReader) -> _State:
                 f"Sharded checkpoint {reader.path} lists {key!r} but holds no entry {fqn!r}. HINT: the directory "
                 "is damaged; use an earlier checkpoint."
             )
-    extra = reader.read_objects(["extra"]).get("extra") or {}
-    return _State(str(reader.path), values, dict(aliases), extra, reader, [])
+    extra = reader.with_whole_pieces(reader.read_extra(layout))
+    return _State(str(reader.path), values, dict(layout.aliases), extra, reader, [])
 
 
 def _tensor_ties(values: Mapping[str, Any]) -> dict[str, str]:

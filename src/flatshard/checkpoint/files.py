@@ -14,7 +14,7 @@ import pickle
 import socket
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -30,7 +30,7 @@ from flatshard.checkpoint.storage import (
     storage_error,
 )
 from flatshard.checkpoint.validate import agree_on_error
-from flatshard.engine import global_rank
+from flatshard.engine import ParamShard, global_rank
 
 __all__ = [
     "CheckpointError",
@@ -50,6 +50,7 @@ def write_full_checkpoint(checkpoint: Any, path: str | os.PathLike[str] | Remote
     A URL's storage is checked on every rank first (see [Note: checkpoint storage]); if the write fails on
     rank 0, every rank raises instead of the others waiting for it. Returns the path (the URL for a URL).
     """
+    _refuse_pieces(checkpoint)
     location = locate_checked(path)
     error: BaseException | None = None
     if global_rank() == 0:
@@ -59,6 +60,23 @@ def write_full_checkpoint(checkpoint: Any, path: str | os.PathLike[str] | Remote
             error = err
     agree_on_error(error, "Saving the checkpoint")
     return location if isinstance(location, Path) else location.url
+
+
+def _refuse_pieces(checkpoint: Any, path: tuple[Any, ...] = ()) -> None:
+    """A full file holds whole tensors: a rank's piece (``ShardedEMA.sharded_state_dict()``...) has no place in it."""
+    if isinstance(checkpoint, ParamShard):
+        where = "".join(f"[{k!r}]" for k in path)
+        raise ValueError(
+            f"checkpoint{where} is one rank's piece of a sharded tensor, which a full checkpoint cannot hold. HINT: "
+            "save it with state_dict_type='sharded', or put the consolidated state in (for an EMA, "
+            "ema.full_state_dict() on every rank)."
+        )
+    if isinstance(checkpoint, Mapping):
+        for k, v in checkpoint.items():
+            _refuse_pieces(v, (*path, k))
+    elif isinstance(checkpoint, (list, tuple)):
+        for i, v in enumerate(checkpoint):
+            _refuse_pieces(v, (*path, i))
 
 
 def atomic_save(obj: Any, path: str | os.PathLike[str] | Remote) -> Path | str:

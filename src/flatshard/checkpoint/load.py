@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from flatshard.checkpoint.dcp_layout import Names
 from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.files import load_checkpoint_file
 from flatshard.checkpoint.load_sharded import load_sharded
@@ -56,15 +57,17 @@ def load_into(
     load_optimizer_states: bool = True,
     weights_only: bool | None = None,
     required: Collection[str] = (),
+    names: Names | None = None,
 ) -> dict[str, Any]:
     """The loader behind the strategies: dispatch on the format, validate everything, then apply.
 
     Returns the checkpoint dict without ``state_dict`` / ``optimizer_states``. Entries named in
-    ``required`` must be in it: a ``KeyError`` before anything is applied otherwise.
+    ``required`` must be in it: a ``KeyError`` before anything is applied otherwise. ``names``: the names a
+    Fabric state gives the model and optimizers, tried first in another tool's sharded checkpoint.
     """
     location = locate_checked(path)  # a URL: every rank reaches its storage, or every rank raises
     if _is_directory(location):
-        return load_sharded(location, module, optimizers, strict, load_optimizer_states, required)
+        return load_sharded(location, module, optimizers, strict, load_optimizer_states, required, names)
     return _load_full(location, module, optimizers, strict, load_optimizer_states, weights_only, required)
 
 

@@ -7,12 +7,13 @@ validated (keys, shapes, optimizer groups) on every rank, and the ranks agree, b
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from flatshard.checkpoint.dcp_layout import Layout, Names, canonical, fill_pieces, find_pieces
 from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.sharded import OBJECT, ShardedReader
 from flatshard.checkpoint.storage import Location
@@ -31,17 +32,19 @@ __all__ = ["load_sharded"]
 
 
 def _model_targets(
-    reader: ShardedReader, module: nn.Module, strict: bool
+    reader: ShardedReader, layout: Layout, module: nn.Module, strict: bool
 ) -> tuple[dict[str, Any], dict[str, list[str]]]:
     """DCP targets for the model: fqn -> ParamShard / tensor / OBJECT, and fqn -> the state-dict keys it fills."""
-    meta = reader.meta
-    saved_keys = meta.get("model_keys")
-    if saved_keys is None:
-        raise CheckpointError(f"Sharded checkpoint {reader.path} holds no model state ('state_dict').")
-    aliases: dict[str, str] = meta.get("aliases", {})
+    if not layout.model:
+        where = "" if reader.version else " under any of the model's keys"
+        raise CheckpointError(
+            f"Sharded checkpoint {reader.path} holds no model state{where} (its entries include "
+            f"{sorted(reader.entries)[:6]}). HINT: pass a checkpoint of this model. Nothing was loaded."
+        )
     own = module.state_dict(keep_vars=True)
-    missing = [k for k in own if k not in set(saved_keys)]
-    unexpected = [k for k in saved_keys if k not in own]
+    saved = layout.model
+    missing = [k for k in own if k not in saved]
+    unexpected = [k for k in saved if k not in own]
     if strict and (missing or unexpected):
         raise CheckpointError(
             f"Sharded checkpoint {reader.path} does not match {type(module).__name__}: missing keys "
@@ -53,9 +56,9 @@ def _model_targets(
     keys: dict[str, list[str]] = {}
     problems = []
     for key, value in own.items():
-        if key not in set(saved_keys):
+        if key not in saved:
             continue
-        fqn = "model/" + aliases.get(key, key)
+        fqn = saved[key]
         if reader.is_object(fqn):
             targets[fqn] = OBJECT
             keys.setdefault(fqn, []).append(key)
@@ -94,16 +97,16 @@ def _target(
     dtype: torch.dtype,
     device: torch.device,
 ) -> Any:
-    """Where to read ``fqn``: this rank's piece (managed here) or the whole tensor (replicated here)."""
-    numel = 1
-    for d in full_shape:
-        numel *= d
+    """Where to read ``fqn``: this rank's piece (managed here) or the whole tensor (replicated here).
+
+    A version 1 piece (stored flat) is read whole as a flat ParamShard; the reader cuts boxes either way.
+    """
+    if shard is not None:
+        return ParamShard(
+            torch.empty(shard.local.numel(), dtype=dtype, device=device), shard.offset, full_shape
+        )
     if reader.is_piece(fqn):
-        if shard is not None:
-            return ParamShard(
-                torch.empty(shard.local.numel(), dtype=dtype, device=device), shard.offset, full_shape
-            )
-        return ParamShard(torch.empty(numel, dtype=dtype, device=device), 0, full_shape)
+        return ParamShard(torch.empty(full_shape.numel(), dtype=dtype, device=device), 0, full_shape)
     return torch.empty(full_shape, dtype=dtype, device=device)
 
 
@@ -129,16 +132,14 @@ def _finish_piece(value: Any, shard: ParamShard | None) -> Any:
 def _optim_targets(
     reader: ShardedReader,
     module: nn.Module,
+    state_entries: dict[str, tuple[str, str]],
     k: int,
     optimizer: torch.optim.Optimizer,
-    groups: list[dict[str, Any]],
 ) -> tuple[dict[str, Any], dict[str, tuple[str, str, ParamShard | None]]]:
     names = parameter_names(module)
-    prefix = f"optim/{k}/state/"
-    by_param: dict[str, list[str]] = {}
-    for fqn in reader.keys_with_prefix(prefix):
-        owner = fqn[len(prefix) :].rpartition("/")[0]
-        by_param.setdefault(owner, []).append(fqn)
+    by_param: dict[str, list[tuple[str, str]]] = {}
+    for fqn, (name, key) in state_entries.items():
+        by_param.setdefault(canonical(name), []).append((fqn, key))
     targets: dict[str, Any] = {}
     where: dict[str, tuple[str, str, ParamShard | None]] = {}
     for group in optimizer.param_groups:
@@ -148,25 +149,46 @@ def _optim_targets(
             name = names[id(p)]
             shard = param_shard(p)
             full_shape = shard.shape if shard is not None else p.shape
-            for fqn in by_param.get(name, []):
-                key = fqn[len(prefix) + len(name) + 1 :]
+            for fqn, key in by_param.get(canonical(name), []):
                 where[fqn] = (name, key, shard)
                 if reader.is_object(fqn):
                     targets[fqn] = OBJECT
                     continue
                 md = reader.tensor_meta(fqn)
                 assert md is not None
-                if reader.is_piece(fqn):
-                    if reader.full_shape(fqn) != full_shape:
-                        raise CheckpointError(
-                            f"Sharded checkpoint {reader.path}: optimizer #{k} state {key!r} of {name!r} has shape "
-                            f"{tuple(reader.full_shape(fqn))}, the parameter {tuple(full_shape)}. HINT: the checkpoint "
-                            "belongs to another model. Nothing was loaded."
-                        )
+                elementwise = reader.is_piece(fqn) or (len(md.size) > 0 and md.size == full_shape)
+                if reader.is_piece(fqn) and reader.full_shape(fqn) != full_shape:
+                    raise CheckpointError(
+                        f"Sharded checkpoint {reader.path}: optimizer #{k} state {key!r} of {name!r} has shape "
+                        f"{tuple(reader.full_shape(fqn))}, the parameter {tuple(full_shape)}. HINT: the checkpoint "
+                        "belongs to another model. Nothing was loaded."
+                    )
+                if elementwise:
                     targets[fqn] = _target(reader, fqn, shard, full_shape, md.properties.dtype, p.device)
                 else:
                     targets[fqn] = torch.empty(md.size, dtype=md.properties.dtype, device="cpu")
     return targets, where
+
+
+def _own_names(module: nn.Module, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Param groups whose parameter names are another tool's (``_orig_mod.`` and such) renamed to the module's."""
+    own = {canonical(n): n for n in parameter_names(module).values()}
+    return [dict(g, params=[own.get(canonical(str(n)), n) for n in g["params"]]) for g in groups]
+
+
+def _piece_targets(reader: ShardedReader, module: nn.Module, extra: dict[str, Any]) -> dict[str, Any]:
+    """Targets for the pieces stored in the checkpoint's other entries (see [Note: DCP-native layout]): this
+    rank's piece when the path ends in a key of a parameter of the same shape it shares, else the whole."""
+    live = local_param_targets(module)
+    targets: dict[str, Any] = {}
+    for path, piece in find_pieces(extra):
+        md = reader.piece_meta(piece)
+        tensor, shard = live.get(path[-1], (None, None)) if path else (None, None)
+        if shard is None or tuple(shard.shape) != tuple(md.size):
+            shard = None
+        device = tensor.device if tensor is not None else torch.device("cpu")
+        targets[piece.fqn] = _target(reader, piece.fqn, shard, md.size, md.properties.dtype, device)
+    return targets
 
 
 def load_sharded(
@@ -176,9 +198,14 @@ def load_sharded(
     strict: bool,
     with_optim: bool,
     required: Collection[str],
+    names: Names | None = None,
 ) -> dict[str, Any]:
+    """Load a sharded checkpoint directory (any layout, see [Note: DCP-native layout]) into ``module`` and
+    ``optimizers``; every rank calls. ``names``: a Fabric state's names, tried first in a foreign layout."""
     error: BaseException | None = None
     reader: ShardedReader | None = None
+    layout = Layout(0, None)
+    extra: dict[str, Any] = {}
     targets: dict[str, Any] = {}
     model_keys: dict[str, list[str]] = {}
     optim_where: list[dict[str, tuple[str, str, ParamShard | None]]] = []
@@ -186,20 +213,24 @@ def load_sharded(
     try:
         prepare_for_state_io(module, "load_checkpoint")
         reader = ShardedReader(path)
-        targets, model_keys = _model_targets(reader, module, strict)
+        layout = reader.layout(
+            list(module.state_dict(keep_vars=True)), names, len(optimizers) if with_optim else None
+        )
+        targets, model_keys = _model_targets(reader, layout, module, strict)
         if with_optim:
-            check_optimizer_count(path, reader.meta.get("num_optimizers"), optimizers)
-            saved_groups = reader.read_objects([f"optim/{k}/groups" for k in range(len(optimizers))])
+            check_optimizer_count(path, layout.num_optimizers, optimizers)
             for k, opt in enumerate(optimizers):
-                groups.append(saved_groups[f"optim/{k}/groups"])
+                groups_root, state_entries = layout.optimizers[k]
+                groups.append(_own_names(module, reader.param_groups(groups_root)))
                 # validate the groups now (with empty state) so nothing is read for a mismatched optimizer
                 to_local_optim_state(
                     module, opt, {"state": {}, "param_groups": groups[k]}, source=f"{path} (optimizer #{k})"
                 )
-                more, where = _optim_targets(reader, module, k, opt, groups[k])
+                more, where = _optim_targets(reader, module, state_entries, k, opt)
                 targets.update(more)
                 optim_where.append(where)
-        targets["extra"] = OBJECT
+        extra = reader.read_extra(layout)
+        targets.update(_piece_targets(reader, module, extra))
     except (CheckpointError, FileNotFoundError) as err:
         error = err
     except ValueError as err:
@@ -207,11 +238,16 @@ def load_sharded(
     agree_on_error(error)
     assert reader is not None
     objects = reader.read(targets)
-    extra = objects.get("extra", {})
-    extra = dict(extra) if isinstance(extra, Mapping) else {}
+    live = local_param_targets(module)
+    extra = fill_pieces(
+        extra,
+        {
+            p.fqn: _finish_piece(targets[p.fqn], live.get(path[-1], (None, None))[1])
+            for path, p in find_pieces(extra)
+        },
+    )
     check_required(path, extra, required)
     # Apply: every value is in memory and checked; from here on nothing can fail for a data reason.
-    live = local_param_targets(module)
     model_state: dict[str, Any] = {}
     for fqn, fills in model_keys.items():
         for key in fills:

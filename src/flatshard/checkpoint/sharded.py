@@ -2,50 +2,50 @@
 
 [Note: sharded checkpoint layout]
 Each rank writes only what it holds, with no tensor communication (ranks exchange only DCP's small
-save plans). Entries, by DCP key:
+save plans). Since format version 2 the entries follow torch's and Lightning's sharded layout, tensors under
+their global shapes (see [Note: DCP-native layout] in ``flatshard.checkpoint.dcp_layout``):
 
-- ``flatshard/meta`` (object, rank 0): format name and version, the writer's world size and versions,
-  the model's state-dict keys in order, tied-parameter aliases, and the full shape of every piece entry.
-- ``extra`` (object, rank 0): the rest of the checkpoint dict (Lightning's epoch, loops, callbacks...).
-- ``model/<key>``: a managed parameter as a 1-D tensor of its full ``numel``, written as one chunk per
-  rank at the rank's offset (see [Note: sharded state]); buffers and other tensors whole (rank 0);
-  non-tensor entries (``_extra_state``) as objects (rank 0).
-- ``optim/<k>/groups`` (object, rank 0): optimizer ``k``'s param groups with parameter *names*.
-- ``optim/<k>/state/<name>/<key>``: elementwise state as pieces like its parameter, the rest whole.
+- ``<model>.<key>``: a managed parameter as the n-d boxes of each rank's piece; buffers and other tensors
+  whole (rank 0); non-tensor entries (``_extra_state``) as objects (rank 0).
+- ``<optimizer>.param_groups.<i>.<field>`` (objects, rank 0): the param groups, ``params`` as parameter *names*;
+  ``<optimizer>.state.<name>.<key>``: elementwise state as boxes like its parameter, the rest whole.
+- ``flatshard.meta`` (object, rank 0): format name and version, the writer's world size and versions, the
+  model's state-dict keys in order, tied-parameter aliases and the model's and optimizers' names.
+- ``flatshard.extra`` (object, rank 0), and the file ``meta.pt``: the rest of the checkpoint dict
+  (Lightning's epoch, loops, callbacks...).
 
-Reading asks DCP for the byte range this rank needs in the *reader's* layout, so a checkpoint loads on any
-world size and wrap policy. Everything is validated (keys, shapes, optimizer groups, every data file
+Version 1 directories (``flatshard/meta``, ``model/<key>`` as 1-D pieces of the flattened tensor, ``extra``)
+still load. Reading asks DCP for the boxes this rank needs in the *reader's* layout, so a checkpoint loads on
+any world size and wrap policy. Everything is validated (keys, shapes, optimizer groups, every data file
 present and long enough) before a single value is read into the model.
 
 Local writes go to a hidden sibling directory that is renamed into place once every rank has finished, so a
 crash mid-save leaves the previous checkpoint as it was. At a URL (see [Note: checkpoint storage]) nothing can
 be renamed: every rank writes its data object under a name unique to the save (``__<rank>_<save id>_0.distcp``),
-rank 0 writes ``.metadata`` last in one request (an object store replaces an object whole), and only then
-deletes the data objects of earlier saves of that name. A directory is complete exactly when its ``.metadata``
-exists; one without it is reported as incomplete, not read.
+rank 0 writes ``meta.pt`` and then ``.metadata`` last in one request (an object store replaces an object whole),
+and only then deletes the data objects of earlier saves of that name. A directory is complete exactly when its
+``.metadata`` exists; one without it is reported as incomplete, not read. (Until ``.metadata`` lands, the
+previous checkpoint's ``meta.pt`` at a URL is already the new one: flatshard reads ``flatshard.extra``, so
+only other tools' readers could see the mix, and only after an interrupted save.)
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import inspect
 import io
 import logging
 import os
-import pickle
 import shutil
 import uuid
 import warnings
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from fsspec import AbstractFileSystem
-from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -66,8 +66,22 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from flatshard.checkpoint.dcp_layout import (
+    LIGHTNING_META,
+    Box,
+    Layout,
+    Names,
+    StoredPiece,
+    fill_pieces,
+    find_pieces,
+    flat_boxes,
+    foreign_layout,
+    optimizer_state_entries,
+    split_pieces,
+)
 from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.files import fsync_dir
+from flatshard.checkpoint.remote_dcp import RemoteReader, RemoteWriter, remove_stale_objects
 from flatshard.checkpoint.storage import (
     METADATA,
     Location,
@@ -83,9 +97,11 @@ from flatshard.engine import ParamShard, global_rank
 from flatshard.version import __version__
 
 __all__ = [
+    "EXTRA_KEY",
     "FORMAT",
     "FORMAT_VERSION",
     "META_KEY",
+    "Flattened",
     "SavePlanner",
     "ShardedReader",
     "flatten_checkpoint",
@@ -96,9 +112,10 @@ __all__ = [
 ]
 
 FORMAT = "flatshard-sharded"
-FORMAT_VERSION = 1
-META_KEY = "flatshard/meta"
-EXTRA_KEY = "extra"
+FORMAT_VERSION = 2
+META_KEY = "flatshard.meta"
+EXTRA_KEY = "flatshard.extra"
+_META_KEY_V1, _EXTRA_KEY_V1 = "flatshard/meta", "extra"  # format version 1
 
 log = logging.getLogger(__name__)
 
@@ -129,31 +146,43 @@ class _Object:
 
 
 class SavePlanner(DefaultSavePlanner):
-    """Writes :class:`ParamShard` entries as chunks of a 1-D tensor; tensors whole; anything else pickled."""
+    """Writes :class:`ParamShard` entries as the boxes of their global shape, tensors whole, anything else
+    pickled; records every key's path in the metadata's ``planner_data`` (see [Note: DCP-native layout])."""
 
-    def __init__(self, entries: Mapping[str, Any]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+    def __init__(
+        self, entries: Mapping[str, Any], paths: Mapping[str, tuple[str | int, ...]] | None = None
+    ) -> None:
+        # flatten_state_dict=True only so that DCP merges the plans' planner_data into the metadata; the entries
+        # are flat already, and set_up_planner below does not flatten them.
+        super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False)
         self._entries = dict(entries)
+        self._paths = {k: v for k, v in (paths or {}).items() if k in self._entries}
+        self._views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        self.state_dict = state_dict
+        self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
         items: list[WriteItem] = []
         for fqn, value in self._entries.items():
             if isinstance(value, ParamShard):
                 n = value.local.numel()
-                if n == 0:
-                    continue
-                offsets = torch.Size([value.offset])
-                items.append(
-                    WriteItem(
-                        index=MetadataIndex(fqn, offsets),
-                        type=WriteItemType.SHARD,
-                        tensor_data=TensorWriteData(
-                            chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([n])),
-                            properties=TensorProperties.create_from_tensor(value.local),
-                            size=torch.Size([value.numel]),
-                        ),
+                for box in flat_boxes(value.shape, value.offset, value.offset + n):
+                    offsets = torch.Size(box.offsets)
+                    view = value.local[box.start - value.offset : box.start - value.offset + box.numel]
+                    self._views[(fqn, box.offsets)] = view.view(box.sizes)
+                    items.append(
+                        WriteItem(
+                            index=MetadataIndex(fqn, offsets),
+                            type=WriteItemType.SHARD,
+                            tensor_data=TensorWriteData(
+                                chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(box.sizes)),
+                                properties=TensorProperties.create_from_tensor(value.local),
+                                size=torch.Size(value.shape),
+                            ),
+                        )
                     )
-                )
             elif isinstance(value, torch.Tensor):
                 offsets = torch.Size([0] * value.dim())
                 items.append(
@@ -169,13 +198,19 @@ class SavePlanner(DefaultSavePlanner):
                 )
             else:
                 items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
-        self.plan = SavePlan(items)
+        self.plan = SavePlan(items, planner_data=self._paths)
         return self.plan
 
+    def entry(self, fqn: str) -> Any:
+        """The value to be written under ``fqn``."""
+        return self._entries[fqn]
+
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        value = self._entries[write_item.index.fqn]
+        fqn = write_item.index.fqn
+        value = self._entries[fqn]
         if isinstance(value, ParamShard):
-            value = value.local
+            assert write_item.index.offset is not None
+            value = self._views[(fqn, tuple(write_item.index.offset))]
         if isinstance(value, torch.Tensor):
             t = value.detach()
             if t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
@@ -188,11 +223,13 @@ class SavePlanner(DefaultSavePlanner):
 
 
 class _LoadPlanner(DefaultLoadPlanner):
-    """Reads into :class:`ParamShard` targets (this rank's range), whole tensors, and objects."""
+    """Reads into :class:`ParamShard` targets (this rank's range, as boxes of the stored global shape or, for
+    format version 1, as a range of the stored flat tensor), whole tensors, and objects."""
 
     def __init__(self, targets: Mapping[str, Any]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._targets = dict(targets)
+        self._views: dict[str, list[torch.Tensor]] = {}
         self.objects: dict[str, Any] = {}
 
     def create_local_plan(self) -> LoadPlan:
@@ -214,13 +251,17 @@ class _LoadPlanner(DefaultLoadPlanner):
                 continue
             assert isinstance(md, TensorStorageMetadata)
             if isinstance(target, ParamShard):
-                n = target.local.numel()
-                if n == 0:
-                    continue
-                chunk = ChunkStorageMetadata(offsets=torch.Size([target.offset]), sizes=torch.Size([n]))
+                boxes = _read_boxes(fqn, md.size, target)
+                start = target.offset
+                self._views[fqn] = [
+                    target.local[b.start - start : b.start - start + b.numel].view(b.sizes) for b in boxes
+                ]
+                chunks = [ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for b in boxes]
             else:
-                chunk = ChunkStorageMetadata(offsets=torch.Size([0] * target.dim()), sizes=target.size())
-            items.extend(create_read_items_for_chunk_list(fqn, md, [chunk]))
+                self._views[fqn] = [target]
+                chunks = [ChunkStorageMetadata(offsets=torch.Size([0] * target.dim()), sizes=target.size())]
+            if chunks:
+                items.extend(create_read_items_for_chunk_list(fqn, md, chunks))
         self.plan = LoadPlan(items)
         return self.plan
 
@@ -228,8 +269,8 @@ class _LoadPlanner(DefaultLoadPlanner):
         self.objects[read_item.dest_index.fqn] = torch.load(value, map_location="cpu", weights_only=False)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        target = self._targets[read_item.dest_index.fqn]
-        tensor = target.local if isinstance(target, ParamShard) else target
+        index = read_item.dest_index
+        tensor = self._views[index.fqn][index.index or 0]
         for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
             tensor = tensor.narrow(dim, start, length)
         return tensor
@@ -238,24 +279,54 @@ class _LoadPlanner(DefaultLoadPlanner):
         pass  # resolve_tensor handed out a view of the target: the data is already in place
 
 
+def _read_boxes(fqn: str, stored: torch.Size, target: ParamShard) -> list[Box]:
+    """The boxes of ``target``'s range in the stored tensor: of its global shape, or of a flat one (version 1)."""
+    n = target.local.numel()
+    if tuple(stored) == tuple(target.shape):
+        return flat_boxes(target.shape, target.offset, target.offset + n)
+    if len(stored) == 1 and stored[0] == target.numel:
+        return [Box((target.offset,), (n,), target.offset)] if n else []
+    raise CheckpointError(
+        f"The checkpoint stores {fqn!r} with shape {tuple(stored)}, expected {tuple(target.shape)} (or flat). "
+        "HINT: load a checkpoint of the same model. Nothing was loaded."
+    )
+
+
 # ---------------------------------------------------------------------------------------------- writing
-def flatten_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """DCP entries and the meta record for a checkpoint dict holding sharded model/optimizer state."""
+@dataclass
+class Flattened:
+    """A checkpoint dict as DCP entries (see [Note: sharded checkpoint layout]).
+
+    Attributes:
+        entries: DCP key -> ParamShard / tensor / object; rank 0 also holds ``flatshard.meta`` and
+            ``flatshard.extra``.
+        paths: DCP key -> its path in the nested dict (the metadata's ``planner_data``).
+        extra: the checkpoint's other entries (rank 0 writes them to ``meta.pt`` too), or ``None`` elsewhere.
+    """
+
+    entries: dict[str, Any]
+    paths: dict[str, tuple[str | int, ...]]
+    extra: dict[str, Any] | None
+
+
+def flatten_checkpoint(checkpoint: Mapping[str, Any], names: Names | None = None) -> Flattened:
+    """DCP entries for a checkpoint dict holding sharded model/optimizer state (``state_dict`` and
+    ``optimizer_states`` as :func:`flatshard.sharded_model_state_dict` and
+    :func:`flatshard.sharded_optim_state_dict` give them); ``names`` are the model's and optimizers' names
+    (default ``model`` and ``optimizer_<k>``, as Lightning's FSDPStrategy)."""
+    names = names or Names()
     rank0 = global_rank() == 0
     entries: dict[str, Any] = {}
-    shapes: dict[str, list[int]] = {}
+    paths: dict[str, tuple[str | int, ...]] = {}
     aliases: dict[str, str] = {}
 
-    def put(fqn: str, value: Any) -> None:
-        if isinstance(value, ParamShard):
-            if value.numel == 0:  # nothing to cut: store the (empty) tensor whole
-                if rank0:
-                    entries[fqn] = value.local.reshape(value.shape)
-                return
+    def put(path: tuple[str | int, ...], value: Any) -> None:
+        fqn = ".".join(map(str, path))
+        if isinstance(value, ParamShard) and value.numel == 0:  # nothing to cut: store the empty tensor whole
+            value = value.local.reshape(value.shape)
+        if isinstance(value, ParamShard) or rank0:
             entries[fqn] = value
-            shapes[fqn] = list(value.shape)
-        elif rank0:
-            entries[fqn] = value
+            paths[fqn] = path
 
     model = checkpoint.get("state_dict")
     model_keys: list[str] | None = None
@@ -265,13 +336,14 @@ def flatten_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], d
         model_keys = list(model)
         first_key: dict[int, str] = {}
         for key, value in model.items():
-            if isinstance(value, ParamShard) and id(value) in first_key:
-                aliases[key] = first_key[id(value)]
-                continue
             if isinstance(value, ParamShard):
-                first_key[id(value)] = key
-            put(f"model/{key}", value)
+                if id(value) in first_key:
+                    aliases[key] = first_key[id(value)]  # stored again under this name for other readers
+                else:
+                    first_key[id(value)] = key
+            put((names.model, key), value)
     optimizers = checkpoint.get("optimizer_states")
+    optimizer_names: list[str] = []
     if optimizers is not None:
         for k, optim in enumerate(optimizers):
             if not (isinstance(optim, Mapping) and "state" in optim and "param_groups" in optim):
@@ -279,51 +351,70 @@ def flatten_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], d
                     f"checkpoint['optimizer_states'][{k}] is not a sharded optimizer state (needs 'state' and "
                     "'param_groups' keyed by parameter name)."
                 )
-            if rank0:
-                entries[f"optim/{k}/groups"] = optim["param_groups"]
-            for name, state in optim["state"].items():
+            name = names.optimizer(k)
+            optimizer_names.append(name)
+            for i, group in enumerate(optim["param_groups"]):
+                for field_name, value in group.items():  # as torch's flattening splits them
+                    put((name, "param_groups", i, field_name), value)
+            for param, state in optim["state"].items():
                 for key, value in state.items():
-                    put(f"optim/{k}/state/{name}/{key}", value)
+                    put((name, "state", param, key), value)
+    rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    rest, pieces = split_pieces(
+        rest, ParamShard
+    )  # the EMA callback's weights (see [Note: DCP-native layout])
+    for path, piece in pieces:
+        put(("flatshard", "pieces", *path), piece)
+    extra = None
     if rank0:
-        entries[EXTRA_KEY] = {
-            k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
+        extra = rest
+        put(("flatshard", "extra"), extra)
+        meta = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "world_size": _world(),
+            "torch_version": torch.__version__,
+            "flatshard_version": __version__,
+            "model_keys": model_keys,
+            "aliases": aliases,
+            "model_name": names.model,
+            "optimizer_names": None if optimizers is None else optimizer_names,
         }
-    meta = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "world_size": _world(),
-        "torch_version": torch.__version__,
-        "flatshard_version": __version__,
-        "model_keys": model_keys,
-        "aliases": aliases,
-        "shapes": shapes,
-        "num_optimizers": None if optimizers is None else len(optimizers),
-    }
-    return entries, meta
+        put(("flatshard", "meta"), meta)
+    return Flattened(entries, paths, extra)
 
 
 def write_sharded_checkpoint(
-    checkpoint: Mapping[str, Any], path: str | os.PathLike[str] | Remote
+    checkpoint: Mapping[str, Any], path: str | os.PathLike[str] | Remote, names: Names | None = None
 ) -> Path | str:
     """Write a checkpoint dict whose ``state_dict`` / ``optimizer_states`` hold sharded state; all ranks call.
 
     See [Note: sharded checkpoint layout]. ``path`` is a local directory or a URL; an existing checkpoint there
-    (file or directory) is replaced only once the new one is complete. Returns the path (the URL for a URL).
+    (file or directory) is replaced only once the new one is complete. ``names``: see
+    :func:`flatten_checkpoint`. Returns the path (the URL for a URL).
     """
     location = locate_checked(path)  # a URL's storage answers on every rank before anything is written
-    entries, meta = flatten_checkpoint(checkpoint)
+    flat = flatten_checkpoint(checkpoint, names)
     if isinstance(location, Remote):
-        return _write_remote(entries, meta, location)
+        return _write_remote(flat, location)
     target = location
-    if global_rank() == 0:
-        entries[META_KEY] = meta
     tmp = prepare_temporary(target)
-    _dcp_save(entries, dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True))
+    if flat.extra is not None:
+        write_lightning_meta(flat.extra, tmp)
+    _dcp_save(flat, dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True))
     _barrier()
     if global_rank() == 0:
         replace_directory(tmp, target)
     _barrier()
     return target
+
+
+def write_lightning_meta(extra: Mapping[str, Any], directory: Path) -> None:
+    """Rank 0: the checkpoint's other entries as ``meta.pt``, where Lightning's own strategies read them."""
+    with open(directory / LIGHTNING_META, "wb") as f:
+        torch.save(dict(extra), f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def prepare_temporary(target: Path) -> Path:
@@ -355,140 +446,27 @@ def replace_directory(tmp: Path, target: Path) -> None:
         old.unlink()
 
 
-def _dcp_save(entries: dict[str, Any], writer: dcp.FileSystemWriter) -> None:
+def _dcp_save(flat: Flattened, writer: dcp.FileSystemWriter) -> None:
     with warnings.catch_warnings():
         # Without a process group DCP warns that it assumes a single process: that is the intent.
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
-        dcp.save(entries, storage_writer=writer, planner=SavePlanner(entries))
+        dcp.save(flat.entries, storage_writer=writer, planner=SavePlanner(flat.entries, flat.paths))
 
 
-def _write_remote(entries: dict[str, Any], meta: dict[str, Any], target: Remote) -> str:
-    """A sharded checkpoint at a URL: data objects first, ``.metadata`` last, then earlier saves' data objects
-    go (see [Note: checkpoint storage])."""
-    if global_rank() == 0:
-        entries[META_KEY] = meta
-    writer = _RemoteWriter(target, uuid.uuid4().hex[:12])  # rank 0's (the coordinator's) names every file
+def _write_remote(flat: Flattened, target: Remote) -> str:
+    """A sharded checkpoint at a URL: data objects first, ``meta.pt`` and ``.metadata`` last, then earlier saves'
+    data objects go (see [Note: checkpoint storage])."""
+    writer = RemoteWriter(
+        target, uuid.uuid4().hex[:12], flat.extra
+    )  # rank 0's (the coordinator's) names every file
     try:
-        _dcp_save(entries, writer)
+        _dcp_save(flat, writer)
     except (Exception, dcp.CheckpointException) as err:  # DCP's error is a BaseException
         raise storage_error(target, err, "write the sharded checkpoint") from err
     if global_rank() == 0:
-        _remove_stale_objects(target, keep=set(writer.written))
+        remove_stale_objects(target, keep=set(writer.written))
     _barrier()
     return target.url
-
-
-def _remove_stale_objects(target: Remote, keep: set[str]) -> None:
-    """Delete what earlier saves of this name left (their data objects, or a full file of the same name) once
-    the new metadata is in place; other objects under the prefix are not flatshard's and stay. A failure only
-    leaves unreferenced objects behind."""
-    try:
-        for name, entry in children(target).items():
-            if name.endswith(".distcp") and name not in keep and entry.get("type") == "file":
-                target.fs.rm_file(str(entry["name"]))
-        target.refresh()
-        if target.fs.info(target.path).get("type") == "file":  # an object store keeps "x" beside "x/..."
-            target.fs.rm_file(target.path)
-    except Exception as err:  # the checkpoint is complete: report, do not fail the save
-        log.warning("flatshard: %s is saved, but objects of its previous save remain (%s).", target.url, err)
-    finally:
-        target.refresh()
-
-
-class _FsspecFiles(dcp_filesystem.FileSystem):
-    """DCP's file operations on an fsspec filesystem (torch's own adapter replaces ``.metadata`` by removing
-    and renaming, which on an object store leaves a moment without metadata)."""
-
-    def __init__(self, fs: AbstractFileSystem) -> None:
-        self.fs = fs
-
-    @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
-        try:
-            with self.fs.open(os.fspath(path), mode) as stream:
-                yield stream
-        except BaseException:
-            if "r" not in mode:  # referenced by no metadata: a half-written object is only clutter
-                with contextlib.suppress(Exception):
-                    self.fs.rm_file(os.fspath(path))
-            raise
-
-    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
-        return f"{os.fspath(path).rstrip('/')}/{suffix}"
-
-    def init_path(self, path: str | os.PathLike[str]) -> str:
-        return os.fspath(path)
-
-    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-        self.fs.mv(os.fspath(path), os.fspath(new_path))
-
-    def mkdir(self, path: str | os.PathLike[str]) -> None:
-        if not hasattr(self.fs, "split_path"):  # object stores have no directories (and would create buckets)
-            self.fs.makedirs(os.fspath(path), exist_ok=True)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return False  # chosen explicitly, never by DCP's guess
-
-    def exists(self, path: str | os.PathLike[str]) -> bool:
-        return bool(self.fs.exists(os.fspath(path)))
-
-    def rm_file(self, path: str | os.PathLike[str]) -> None:
-        self.fs.rm_file(os.fspath(path))
-
-    def ls(self, path: str | os.PathLike[str]) -> list[str]:
-        return [str(p) for p in self.fs.ls(os.fspath(path), detail=False)]
-
-
-class _RemoteWriter(dcp.FileSystemWriter):
-    """DCP's file writer on an fsspec filesystem: data files named per save, ``.metadata`` written last in one
-    request (see [Note: checkpoint storage])."""
-
-    def __init__(self, target: Remote, save_id: str) -> None:
-        super().__init__(target.url, single_file_per_rank=True, sync_files=False, overwrite=True)
-        self.fs = _FsspecFiles(target.fs)
-        self.path = target.path
-        self._target = target
-        self._save_id = save_id
-        self.written: list[str] = []  # data files of this save (coordinator only, after finish)
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        # No "existing checkpoint" warning: replacing one is the intent, and its metadata stays until ours lands.
-        self.fs.mkdir(self.path)
-        return plan
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        plans = super().prepare_global_plan(plans)
-        return [  # "__<rank>_" -> "__<rank>_<save id>_": never overwrite a file the current metadata names
-            dataclasses.replace(
-                p,
-                storage_data=dataclasses.replace(
-                    p.storage_data, prefix=f"{p.storage_data.prefix}{self._save_id}_"
-                ),
-            )
-            for p in plans
-        ]
-
-    def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
-        metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
-        metadata.storage_meta = self.storage_meta()
-        version = getattr(dcp_filesystem, "CURRENT_DCP_VERSION", None)
-        if version is not None:
-            metadata.version = version
-        self.written = sorted({info.relative_path for info in metadata.storage_data.values()})
-        try:
-            self._target.fs.pipe_file(self._target.child(METADATA).path, pickle.dumps(metadata))
-        finally:
-            self._target.refresh()
-
-
-class _RemoteReader(dcp.FileSystemReader):
-    """DCP's file reader on an fsspec filesystem."""
-
-    def __init__(self, source: Remote) -> None:
-        super().__init__(source.url)
-        self.fs = _FsspecFiles(source.fs)
-        self.path = source.path
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -507,13 +485,13 @@ class ShardedReader:
                 f"{err}). HINT: the save was interrupted or the directory is damaged; use an earlier checkpoint."
             ) from err
         self.entries = self.metadata.state_dict_metadata
-        if META_KEY not in self.entries:
-            raise CheckpointError(
-                f"Sharded checkpoint {self.path} was not written by flatshard (no {META_KEY!r} entry). HINT: load "
-                "torch.distributed.checkpoint directories of other tools with their own loader."
-            )
         self._check_files()
-        self.meta: dict[str, Any] = self.read_objects([META_KEY])[META_KEY]
+        meta_key = next((k for k in (META_KEY, _META_KEY_V1) if k in self.entries), None)
+        self.meta: dict[str, Any] = {} if meta_key is None else self.read_objects([meta_key])[meta_key]
+        #: the flatshard format version; 0 for a DCP checkpoint another tool wrote (see [Note: DCP-native layout])
+        self.version = 0
+        if meta_key is None:
+            return
         if self.meta.get("format") != FORMAT:
             raise CheckpointError(
                 f"Sharded checkpoint {self.path} has an unknown format {self.meta.get('format')!r}."
@@ -525,10 +503,11 @@ class ShardedReader:
                 f"{self.meta.get('flatshard_version')}; this flatshard ({__version__}) reads versions up "
                 f"to {FORMAT_VERSION}. HINT: upgrade flatshard to load it. Nothing was loaded."
             )
+        self.version = version
 
     def _storage_reader(self) -> dcp.FileSystemReader:
         if isinstance(self.location, Remote):
-            return _RemoteReader(self.location)
+            return RemoteReader(self.location)
         return dcp.FileSystemReader(str(self.location))
 
     def _check_exists(self) -> None:
@@ -605,15 +584,99 @@ class ShardedReader:
         return [k for k in self.entries if k.startswith(prefix)]
 
     def full_shape(self, fqn: str) -> torch.Size:
-        """The logical shape of an entry (pieces are stored flat)."""
-        if fqn in self.meta["shapes"]:
+        """The logical shape of an entry (format version 1 stored pieces flat)."""
+        if self.is_piece(fqn):
             return torch.Size(self.meta["shapes"][fqn])
         md = self.tensor_meta(fqn)
         assert md is not None, fqn
         return md.size
 
     def is_piece(self, fqn: str) -> bool:
-        return fqn in self.meta["shapes"]
+        """Whether the entry is stored flat, as format version 1 stored parameter pieces."""
+        return self.version == 1 and fqn in self.meta["shapes"]
+
+    def layout(
+        self,
+        module_keys: Sequence[str] | None = None,
+        names: Names | None = None,
+        num_optimizers: int | None = None,
+    ) -> Layout:
+        """Where this checkpoint keeps each part (see [Note: DCP-native layout]). For a checkpoint another tool
+        wrote, ``module_keys`` (the loading model's keys), ``names`` (a Fabric state's names) and
+        ``num_optimizers`` guide the search."""
+        meta = self.meta
+        if self.version == 0:
+            return foreign_layout(self.entries, module_keys, names, num_optimizers)
+        keys = meta.get("model_keys")
+        aliases: dict[str, str] = dict(meta.get("aliases") or {})
+        count = meta.get("num_optimizers") if self.version == 1 else len(meta.get("optimizer_names") or [])
+        if self.version == 1:
+            model = None if keys is None else {k: "model/" + aliases.get(k, k) for k in keys}
+            optimizers = []
+            for k in range(count or 0):
+                head = f"optim/{k}/state/"
+                state = {
+                    f: (f[len(head) :].rpartition("/")[0], f.rpartition("/")[2])
+                    for f in self.entries
+                    if f.startswith(head)
+                }
+                optimizers.append((f"optim/{k}/groups", state))
+            return Layout(1, model, aliases, optimizers, _EXTRA_KEY_V1, count is not None)
+        name = meta["model_name"]
+        model = None if keys is None else {k: f"{name}.{aliases.get(k, k)}" for k in keys}
+        optimizers = [
+            (f"{o}.param_groups", optimizer_state_entries(self.entries, o + "."))
+            for o in meta.get("optimizer_names") or []
+        ]
+        saved = meta.get("optimizer_names") is not None
+        return Layout(self.version, model, aliases, optimizers, EXTRA_KEY, saved)
+
+    def piece_meta(self, piece: StoredPiece) -> TensorStorageMetadata:
+        """The stored tensor a piece in the other entries refers to; a damaged directory raises."""
+        md = self.tensor_meta(piece.fqn)
+        if md is None:
+            raise CheckpointError(
+                f"Sharded checkpoint {self.path} refers to {piece.fqn!r} but holds no such entry. HINT: the "
+                "directory is damaged; use an earlier checkpoint. Nothing was loaded."
+            )
+        return md
+
+    def with_whole_pieces(self, extra: Mapping[str, Any]) -> dict[str, Any]:
+        """``extra`` (as :meth:`read_extra` gives it) with every stored piece read whole (on this process
+        alone; see [Note: DCP-native layout])."""
+        tensors: dict[str, torch.Tensor] = {}
+        for _, piece in find_pieces(extra):
+            md = self.piece_meta(piece)
+            tensors[piece.fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+        if tensors:
+            self.read_objects([], tensors)
+        return dict(fill_pieces(extra, tensors))
+
+    def read_extra(self, layout: Layout | None = None) -> dict[str, Any]:
+        """The checkpoint's entries other than model and optimizer state (on this process alone): flatshard's
+        object entry, or the ``meta.pt`` file Lightning's strategies write; ``{}`` if there is neither."""
+        key = (layout or self.layout()).extra_key
+        if key is not None:
+            extra = self.read_objects([key]).get(key)
+            return dict(extra) if isinstance(extra, Mapping) else {}
+        try:
+            if isinstance(self.location, Remote):
+                meta = self.location.child(LIGHTNING_META)
+                if not meta.fs.exists(meta.path):
+                    return {}
+                with meta.fs.open(meta.path, "rb") as f:
+                    data = io.BytesIO(f.read())
+            else:
+                if not (self.location / LIGHTNING_META).is_file():
+                    return {}
+                data = io.BytesIO((self.location / LIGHTNING_META).read_bytes())
+            extra = torch.load(data, map_location="cpu", weights_only=False)
+        except Exception as err:
+            raise CheckpointError(
+                f"Sharded checkpoint {self.path}: its {LIGHTNING_META} could not be read ({type(err).__name__}: "
+                f"{err}). HINT: the directory is damaged; use an earlier checkpoint."
+            ) from err
+        return dict(extra) if isinstance(extra, Mapping) else {}
 
     # ------------------------------------------------------------------ reads
     def read(self, targets: Mapping[str, Any]) -> dict[str, Any]:
@@ -634,12 +697,36 @@ class ShardedReader:
             ) from err
         return planner.objects
 
-    def read_objects(self, keys: Sequence[str]) -> dict[str, Any]:
-        """Read object entries on this process alone (no collective)."""
-        planner = _LoadPlanner({k: OBJECT for k in keys})
+    def param_groups(self, root: str) -> list[dict[str, Any]]:
+        """An optimizer's param groups (on this process alone): one object entry ``root``, or one entry per group
+        and field under it (tensor fields read whole)."""
+        if root in self.entries:
+            return [dict(g) for g in self.read_objects([root])[root]]
+        head = root + "."
+        keys = [k for k in self.entries if k.startswith(head)]
+        tensors = {}
+        for k in keys:
+            md = self.tensor_meta(k)
+            if md is not None:
+                tensors[k] = torch.empty(md.size, dtype=md.properties.dtype)
+        values = self.read_objects([k for k in keys if k not in tensors], tensors)
+        values.update(tensors)
+        groups: dict[int, dict[str, Any]] = {}
+        for k in keys:
+            index, _, field_name = k[len(head) :].partition(".")
+            groups.setdefault(int(index), {})[field_name] = values[k]
+        return [groups[i] for i in sorted(groups)]
+
+    def read_objects(
+        self, keys: Sequence[str], tensors: Mapping[str, torch.Tensor] | None = None
+    ) -> dict[str, Any]:
+        """Read object entries (and whole ``tensors``, in place) on this process alone (no collective)."""
+        targets: dict[str, Any] = {k: OBJECT for k in keys}
+        targets.update(tensors or {})
+        planner = _LoadPlanner(targets)
         reader = self._storage_reader()
         try:
-            _dcp_load({k: _placeholder(OBJECT) for k in keys}, reader, planner, no_dist=True)
+            _dcp_load({k: _placeholder(v) for k, v in targets.items()}, reader, planner, no_dist=True)
         except (Exception, dcp.CheckpointException) as err:  # DCP's error is a BaseException
             raise CheckpointError(
                 f"Sharded checkpoint {self.path}: entries {list(keys)} could not be read ({type(err).__name__}: "

@@ -13,6 +13,9 @@ averaged whole, on every rank alike.
 - **Full state** (:meth:`ShardedEMA.full_state_dict`, collective): the EMA weights, consolidated under the
   model's state-dict names (buffers at their current values), on rank 0 — loadable into the plain model.
   It swaps the EMA in, gathers as ``get_state_dict`` does, and swaps back.
+- **Sharded state** (:meth:`ShardedEMA.sharded_state_dict`, no communication): this rank's EMA pieces as
+  :class:`~flatshard.engine.ParamShard` views under the model's state-dict names, which a sharded checkpoint
+  stores piece by piece; loading takes this rank's piece of each (:meth:`ShardedEMA.load_state`).
 - **Loading on any world size** (:meth:`ShardedEMA.load_full_state_dict`): from a full EMA state dict,
   every rank keeps its slices, as ``set_state_dict`` does for the model (it is used for the slicing, with
   the training weights put back afterwards).
@@ -28,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from flatshard.engine.shard import is_sharded
+from flatshard.engine.state.sharded import ParamShard, param_shard
 from flatshard.engine.state.state_dict import get_state_dict, set_state_dict
 
 __all__ = ["ShardedEMA", "check_decay"]
@@ -102,6 +106,60 @@ class ShardedEMA:
                 return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
             state, _ = get_state_dict(self.module, rank0_only=rank0_only)
         return state
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's EMA under the model's state-dict names, without communication: managed parameters as
+        :class:`ParamShard` views of the fp32 pieces (a tied parameter is one object under each name), the rest
+        (unmanaged parameters, buffers) whole. Frozen parameters and buffers hold their live values."""
+        shadow = {id(p): s for p, s in zip(self.params, self.shadow, strict=True)}
+        out: dict[str, Any] = {}
+        made: dict[int, Any] = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            if id(value) not in made:
+                ema = value if self.swapped or id(value) not in shadow else shadow[id(value)]
+                shard = param_shard(value)
+                if shard is not None:
+                    made[id(value)] = ParamShard(ema.detach().reshape(-1), shard.offset, shard.shape)
+                else:
+                    made[id(value)] = ema.detach()
+            out[key] = made[id(value)]
+        return out
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Load an EMA state dict: full tensors (:meth:`full_state_dict`) or this rank's pieces
+        (:meth:`sharded_state_dict`, as a sharded checkpoint hands them back on any world size)."""
+        if not any(isinstance(v, ParamShard) for v in state.values()):
+            self.load_full_state_dict(state)
+            return
+        if self.swapped:
+            raise RuntimeError("ShardedEMA.load_state() while swapped in. HINT: swap back first.")
+        index = {id(p): i for i, p in enumerate(self.params)}
+        pieces: dict[int, torch.Tensor] = {}
+        for key, live in self.module.state_dict(keep_vars=True).items():
+            i = index.get(id(live)) if isinstance(live, torch.Tensor) else None
+            if i is None or i in pieces:
+                continue
+            if key not in state:
+                raise ValueError(f"The EMA state has no entry {key!r}. HINT: load the EMA of the same model.")
+            value = state[key]
+            shard = param_shard(live)
+            if isinstance(value, ParamShard):
+                piece = value.local
+            elif shard is not None:
+                piece = value.reshape(-1)[shard.offset : shard.offset + shard.local.numel()]
+            else:
+                piece = value
+            if piece.numel() != self.shadow[i].numel():
+                raise ValueError(
+                    f"The EMA state's {key!r} holds {piece.numel()} elements here, the parameter's piece "
+                    f"{self.shadow[i].numel()}. HINT: load the EMA of the same model."
+                )
+            pieces[i] = piece
+        with torch.no_grad():
+            for i, piece in pieces.items():
+                self.shadow[i].copy_(piece.reshape(self.shadow[i].shape))
 
     def load_full_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take this rank's slices of a full EMA state dict (any world size; call on every rank with the

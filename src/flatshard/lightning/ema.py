@@ -25,10 +25,12 @@ class ShardedEMA(Callback):
     - ``swap_eval=True``: validation and test run on the EMA weights (swapped in place at the loop's start
       and back at its end, before ``ModelCheckpoint`` saves), so logged metrics are the EMA's. Predict
       too with ``swap_predict=True``.
-    - Checkpoints (full files and sharded directories) hold the EMA consolidated under the callback's state:
-      ``checkpoint["callbacks"][<state key>]["ema_state_dict"]``, the model's state-dict names mapped to
-      tensors, loadable into the plain model (``flatshard consolidate --ema`` exports them). Resuming on any
-      number of devices restores each rank's slices.
+    - Checkpoints hold the EMA under the callback's state: ``checkpoint["callbacks"][<state key>]
+      ["ema_state_dict"]``, the model's state-dict names mapped to tensors. A full file holds it consolidated,
+      loadable into the plain model; a sharded directory (``FlatShardStrategy(state_dict_type="sharded")``)
+      stores each rank's pieces like the parameters', with no gather (``flatshard consolidate`` turns them
+      into the full tensors, ``--ema`` exports them). Resuming on any number of devices restores each rank's
+      slices.
 
     Args:
         decay: the running average's weight in ``[0, 1)``. Default: ``0.999``.
@@ -49,6 +51,7 @@ class ShardedEMA(Callback):
         self.ema: _EngineEMA | None = None
         self._pending: dict[str, Any] | None = None  # loaded before the model was set up
         self._last_step = -1
+        self._trainer: pl.Trainer | None = None
 
     @property
     @override
@@ -60,9 +63,20 @@ class ShardedEMA(Callback):
             self.ema = _EngineEMA(pl_module, self.decay)
             if self._pending is not None:
                 state, self._pending = self._pending, None
-                self.ema.load_full_state_dict(state["ema_state_dict"])
+                self.ema.load_state(state["ema_state_dict"])
                 self.ema.num_updates = int(state.get("num_updates", 0))
         return self.ema
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+
+    def _saves_sharded(self) -> bool:
+        """Whether the trainer's checkpoints are sharded directories (the EMA is then saved as pieces)."""
+        from flatshard.lightning.strategy import FlatShardStrategy
+
+        strategy = None if self._trainer is None else self._trainer.strategy
+        return isinstance(strategy, FlatShardStrategy) and strategy.options.state_dict_type == "sharded"
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -124,10 +138,13 @@ class ShardedEMA(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """Collective (Lightning calls it on every rank when it saves): the consolidated EMA on rank 0."""
+        """Lightning calls it on every rank when it saves: for a sharded directory this rank's EMA pieces (no
+        communication), else the consolidated EMA on rank 0 (collective)."""
         if self.ema is None:
             return dict(self._pending) if self._pending is not None else {}
-        if self.ema.swapped:  # a save from inside an evaluation loop: the live weights are in the shadow
+        if self._saves_sharded():
+            state = self.ema.sharded_state_dict()
+        elif self.ema.swapped:  # a save from inside an evaluation loop: the live weights are in the shadow
             self.ema.swap()
             try:
                 state = self.ema.full_state_dict()

@@ -39,6 +39,7 @@ from flatshard.checkpoint import (
     write_full_checkpoint,
     write_sharded_checkpoint,
 )
+from flatshard.checkpoint.dcp_layout import Names
 from flatshard.engine import (
     BackwardPrefetch,
     CPUOffload,
@@ -352,10 +353,11 @@ class FlatShardFabricStrategy(ParallelStrategy):
                     "fabric.save(..., filter=...) is not supported with state_dict_type='sharded' (every rank writes "
                     "its own pieces of the whole state). HINT: save without filter, or use state_dict_type='full'."
                 )
+            checkpoint, names = self._sharded_checkpoint(state)
             if self._async_saver is not None:  # see [Note: asynchronous sharded saves]
-                self._async_saver.save(self._sharded_checkpoint(state), path)
+                self._async_saver.save(checkpoint, path, names)
             else:
-                write_sharded_checkpoint(self._sharded_checkpoint(state), path)
+                write_sharded_checkpoint(checkpoint, path, names)
             return
         converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
         write_full_checkpoint(converted, path)  # rank 0 writes; every rank raises if that failed
@@ -439,8 +441,9 @@ class FlatShardFabricStrategy(ParallelStrategy):
         optimizers = [(k, _unwrap(v)) for k, v in state.items() if isinstance(_unwrap(v), Optimizer)]
         return modules[0][0], _unwrap(modules[0][1]), optimizers  # type: ignore[return-value]
 
-    def _sharded_checkpoint(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The state as the sharded format stores it (see [Note: sharded checkpoint layout])."""
+    def _sharded_checkpoint(self, state: dict[str, Any]) -> tuple[dict[str, Any], Names]:
+        """The state as the sharded format stores it, and the names it is stored under (the state's own, as
+        Lightning's Fabric strategies store them; see [Note: DCP-native layout])."""
         name, module, optimizers = self._split_state(state)
         assert module is not None
         names = [n for n, _ in optimizers]
@@ -449,12 +452,13 @@ class FlatShardFabricStrategy(ParallelStrategy):
             for k, v in state.items()
             if k != name and k not in names
         }
-        return {
+        checkpoint = {
             "state_dict": sharded_model_state_dict(module),
             "optimizer_states": [sharded_optim_state_dict(module, opt) for _, opt in optimizers],
             _FABRIC_NAMES: {"module": name, "optimizers": names},
             **extra,
         }
+        return checkpoint, Names(name or "model", tuple(names))
 
     def _load_sharded(self, path: Any, state: Any, strict: bool) -> dict[str, Any]:
         name, module, optimizers = self._split_state(state)
@@ -468,6 +472,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
             strict=strict,
             load_optimizer_states=bool(optimizers),
             required=others if strict else (),  # checked before anything changes
+            names=Names(name or "model", tuple(n for n, _ in optimizers)),
         )
         saved = rest.pop(_FABRIC_NAMES, {})
         if optimizers and saved.get("optimizers") not in (None, [n for n, _ in optimizers]):

@@ -37,9 +37,12 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class ParamShard:
     """This rank's contiguous piece of a flattened full tensor.
+
+    Compared and hashed by identity: one object under several names is one tensor (tied weights). Not frozen,
+    so that collection walkers (Fabric's ``_unwrap_objects``) can rebuild a state holding pieces.
 
     Attributes:
         local: the piece, 1-D (possibly empty); for the live state it is a view, not a copy.
