@@ -8,8 +8,11 @@
   same way: :func:`wrap_contender`, ``CONTENDER_DESCRIPTIONS``.
 * **Ranks**: :func:`spawn_ranks` (fresh processes and a fresh process group per call, through
   ``flatshard.testing.spawn``) and :func:`barrier`.
-* **Measurement**: ``/proc`` readers (:func:`proc_status_kib`, :func:`rss_kib`), :func:`reset_peak_rss`
-  (``VmHWM``), :func:`mib`, :func:`median`.
+* **Checkpoints** (``checkpoint.py``): :class:`PeakRSS`, :func:`malloc_trim`, :func:`tensor_bytes`, fault logs,
+  :func:`check_correctness` of saved states, :func:`touch_host_memory` (same host memory for every contender).
+* **Measurement**: ``/proc`` readers (:func:`proc_status_kib`, :func:`rss_kib`, :func:`private_kib`,
+  :func:`shmem_kib`, :func:`smaps_private_kib`), :func:`reset_peak_rss` (``VmHWM``), :class:`MemoryPoller`
+  (private memory of several processes and of the node, sampled), :func:`mib`, :func:`median`.
 * **Machine info** (:func:`machine_info`) and **output**: :func:`utc_now`, :func:`default_out`
   (``docs/bench/...``), :func:`write_json`, :func:`pyplot` and :func:`save_figure`, :func:`fmt` and
   :func:`indent` for the printed tables.
@@ -26,11 +29,14 @@ import datetime as _dt
 import importlib.util
 import json
 import math
+import mmap
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -360,6 +366,316 @@ def reset_peak_rss() -> bool:
 
 def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
+
+
+def private_kib(pid: int | str = "self") -> int:
+    """A process's private memory: ``RssAnon + RssFile`` of ``/proc/<pid>/status`` (its resident pages less
+    ``RssShmem``, the shared-memory pages that other processes may map too); 0 if unreadable."""
+    st = proc_status_kib("RssAnon", "RssFile", path=f"/proc/{pid}/status")
+    return (st["RssAnon"] or 0) + (st["RssFile"] or 0)
+
+
+def shmem_kib() -> int:
+    """``Shmem`` of ``/proc/meminfo``: the host's shared-memory pages, each once however many processes map it."""
+    return proc_status_kib("Shmem", path="/proc/meminfo")["Shmem"] or 0
+
+
+def smaps_private_kib(pid: int | str = "self") -> int | None:
+    """``Private_Clean + Private_Dirty`` of ``/proc/<pid>/smaps_rollup``: exact, but tens of ms a read."""
+    st = proc_status_kib("Private_Clean", "Private_Dirty", path=f"/proc/{pid}/smaps_rollup")
+    return None if st["Private_Dirty"] is None else (st["Private_Clean"] or 0) + st["Private_Dirty"]
+
+
+def touch_host_memory(n_mib: int) -> float:
+    """Write one byte in every page of ``n_mib`` MiB of fresh memory, free it, return the seconds it took.
+    On a VM whose host backs memory lazily, the next ``n_mib`` MiB any process allocates are then cheap
+    to fault in, whatever ran before (see ``checkpoint.py``)."""
+    t0 = time.perf_counter()
+    block = mmap.mmap(-1, n_mib * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    torch.frombuffer(block, dtype=torch.uint8)[:: mmap.PAGESIZE].fill_(1)  # the tensor dies here
+    block.close()
+    return time.perf_counter() - t0
+
+
+class MemoryPoller:
+    """Samples the private memory of ``pids`` (:func:`private_kib`) and the host's ``Shmem`` every ``interval``
+    s on a thread, while in the context: per pid the value on entry and the peak, for the node the peak of
+    ``sum of private + (Shmem - shmem_base_kib)`` (shared pages once). Spikes between samples can be missed.
+    A sample ``pread`` s files opened once (~0.05 ms), not to steal the CPU it measures."""
+
+    def __init__(self, pids: list[int], shmem_base_kib: int, interval: float = 0.005) -> None:
+        self.pids = pids
+        self.shmem_base_kib = shmem_base_kib
+        self.interval = interval
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._fds: list[int] = []
+
+    @staticmethod
+    def _field(data: bytes, key: bytes) -> int:
+        i = data.find(key)
+        return int(data[i + len(key) : data.index(b"kB", i)]) if i >= 0 else 0
+
+    def _sample(self) -> None:
+        *status, meminfo = (os.pread(fd, 8192, 0) for fd in self._fds)
+        private = [self._field(d, b"RssAnon:") + self._field(d, b"RssFile:") for d in status]
+        node = sum(private) + self._field(meminfo, b"\nShmem:") - self.shmem_base_kib
+        self.peak_kib = [max(a, b) for a, b in zip(self.peak_kib, private)]
+        self.node_peak_kib = max(self.node_peak_kib, node)
+        self.samples += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> MemoryPoller:
+        paths = [f"/proc/{p}/status" for p in self.pids] + ["/proc/meminfo"]
+        self._fds = [os.open(p, os.O_RDONLY) for p in paths]
+        self.before_kib = [private_kib(p) for p in self.pids]
+        self.node_before_kib = sum(self.before_kib) + shmem_kib() - self.shmem_base_kib
+        self.peak_kib = list(self.before_kib)
+        self.node_peak_kib = self.node_before_kib
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="memory-poller", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._sample()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "private_before_mib": [mib(k) for k in self.before_kib],
+            "private_peak_mib": [mib(k) for k in self.peak_kib],
+            "node_before_mib": mib(self.node_before_kib),
+            "node_peak_mib": mib(self.node_peak_kib),
+            "samples": self.samples,
+        }
+
+
+class PeakRSS:
+    """Extra peak RSS of this process over a region: ``VmHWM`` after a reset, else a 5 ms RSS sampler."""
+
+    def __init__(self, method: str) -> None:
+        self.method = method  # "vmhwm" or "sampler"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._max_kib = 0
+        self.base_kib = 0
+
+    def __enter__(self) -> PeakRSS:
+        if self.method == "vmhwm" and not reset_peak_rss():
+            raise RuntimeError("resetting VmHWM via /proc/self/clear_refs stopped working")
+        self.base_kib = rss_kib()
+        if self.method == "sampler":
+            self._max_kib = self.base_kib
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self._max_kib = max(self._max_kib, rss_kib())
+            self._stop.wait(0.005)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.method == "sampler":
+            self._stop.set()
+            assert self._thread is not None
+            self._thread.join()
+            self._max_kib = max(self._max_kib, rss_kib())
+        else:
+            self._max_kib = proc_status_kib("VmHWM")["VmHWM"] or 0
+        self.rss_after_kib = rss_kib()
+
+    @property
+    def extra_mib(self) -> float:
+        return round((self._max_kib - self.base_kib) / 1024, 1)
+
+    @property
+    def retained_mib(self) -> float:
+        return round((self.rss_after_kib - self.base_kib) / 1024, 1)
+
+
+def malloc_trim(enabled: bool = True) -> bool:
+    """Give glibc's free heap memory back to the OS (``malloc_trim(0)``), so that the RSS before a gather is
+    about the live memory and the gather's new allocations show up as RSS growth, instead of silently
+    reusing what the model build, the training step or an earlier gather freed. False if unavailable."""
+    if not enabled:
+        return False
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+def tensor_bytes(obj: Any) -> tuple[int, int, int]:
+    """(bytes with each storage counted once, bytes summed over every tensor entry, number of entries)."""
+    seen: set[tuple[int, int]] = set()
+    unique = total = count = 0
+
+    def walk(o: Any) -> None:
+        nonlocal unique, total, count
+        if isinstance(o, torch.Tensor):
+            count += 1
+            total += o.nbytes
+            key = (o.untyped_storage().data_ptr(), o.untyped_storage().nbytes())
+            if key not in seen:
+                seen.add(key)
+                unique += o.untyped_storage().nbytes()
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+
+    walk(obj)
+    return unique, total, count
+
+
+def fault_log_path(cfg: dict[str, Any], name: str, rank: int) -> Path:
+    """Where a rank of contender ``name`` has ``faulthandler`` write (under ``cfg["tmpdir"]``)."""
+    return Path(cfg["tmpdir"]) / f"fault_{name}_{cfg.get('fsdp1_offload', '')}_rank{rank}.log"
+
+
+def crash_report(cfg: dict[str, Any], name: str, world_size: int) -> str:
+    """What faulthandler wrote for a rank that died hard: the fatal error and the innermost frame."""
+    lines = []
+    for rank in range(world_size):
+        path = fault_log_path(cfg, name, rank)
+        text = path.read_text().strip().splitlines() if path.exists() else []
+        fatal = [ln for ln in text if ln.startswith("Fatal Python error")]
+        if fatal:
+            frames = [ln.strip() for ln in text if ln.strip().startswith("File ")]
+            lines.append(f"rank {rank}: {fatal[0]}" + (f" at {frames[0]}" if frames else ""))
+    return "; ".join(lines)
+
+
+def reference_param_names(cfg: dict[str, Any]) -> list[str]:
+    """``named_parameters()`` of the unsharded GPT, built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    return [n for n, _ in model.named_parameters()]
+
+
+def model_state_equal(a: dict[str, Any], b: dict[str, Any]) -> tuple[bool, list[str]]:
+    """Same keys and torch.equal tensors; returns (equal, the keys that differ)."""
+    if set(a) != set(b):
+        return False, sorted(set(a) ^ set(b))[:10]
+    bad = []
+    for k, v in a.items():
+        w = b[k]
+        if isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor):
+            if v.shape != w.shape or v.dtype != w.dtype or not torch.equal(v, w):
+                bad.append(k)
+        elif v != w:
+            bad.append(k)
+    return not bad, bad
+
+
+def optim_entry_equal(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    if a is None or b is None or set(a) != set(b):
+        return False
+    return all(
+        torch.equal(torch.as_tensor(a[k]).float(), torch.as_tensor(b[k]).float())
+        if isinstance(a[k], torch.Tensor) or isinstance(b[k], torch.Tensor)
+        else a[k] == b[k]
+        for k in a
+    )
+
+
+def optim_by_name(name: str, osd: dict[str, Any], param_names: list[str]) -> dict[str, dict[str, Any]]:
+    """Optimizer state keyed by parameter name. flatshard numbers parameters in ``param_groups`` order
+    (= ``model.named_parameters()`` order, the optimizer was built from ``model.parameters()``); FSDP1 and
+    FSDP2 already key it by FQN."""
+    state = osd["state"]
+    if name == "flatshard":
+        ids = [i for g in osd["param_groups"] for i in g["params"]]
+        return {param_names[pos]: state[i] for pos, i in enumerate(ids) if i in state}
+    return {str(k): v for k, v in state.items()}
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float | None:
+    if a.shape != b.shape:
+        return None
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def check_correctness(
+    contenders: list[str], tmpdir: Path, param_names: list[str], reference_names: list[str]
+) -> dict[str, Any]:
+    """Compare every contender's saved state with the first one's (flatshard when it ran)."""
+    files = {c: tmpdir / f"{c}.pt" for c in contenders if (tmpdir / f"{c}.pt").exists()}
+    out: dict[str, Any] = {
+        "reference": None,
+        "compared": list(files),
+        "param_order_matches_unsharded_model": param_names == reference_names,
+    }
+    if len(files) < 2:
+        out["note"] = "fewer than two contenders saved a state: nothing to compare"
+        out["all_equal"] = None
+        return out
+    loaded = {c: torch.load(p, map_location="cpu", mmap=True) for c, p in files.items()}
+    ref = next(iter(loaded))
+    out["reference"] = ref
+    ref_opt = optim_by_name(ref, loaded[ref]["optim"], param_names)
+    out["optimizer_state_names_match_parameters"] = set(ref_opt) == set(param_names)
+    all_equal = True
+    pairs: dict[str, Any] = {}
+    for c in loaded:
+        if c == ref:
+            continue
+        model_eq, bad_keys = model_state_equal(loaded[ref]["model"], loaded[c]["model"])
+        opt_c = optim_by_name(c, loaded[c]["optim"], param_names)
+        entry: dict[str, Any] = {
+            "model_same_keys": set(loaded[ref]["model"]) == set(loaded[c]["model"]),
+            "model_tensors_equal": model_eq,
+            "model_keys_differing": bad_keys,
+            "optim_same_param_names": set(ref_opt) == set(opt_c),
+        }
+        max_diff: dict[str, float | None] = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            differing = []
+            worst = 0.0
+            for pname, st in ref_opt.items():
+                a, b = st.get(key), opt_c.get(pname, {}).get(key)
+                if a is None or b is None or a.shape != b.shape:
+                    differing.append(pname)
+                    worst = float("nan")
+                elif not torch.equal(a, b):
+                    differing.append(pname)
+                    worst = max(worst, max_abs_diff(a, b) or 0.0)
+            entry[f"{key}_equal"] = not differing and entry["optim_same_param_names"]
+            entry[f"{key}_params_differing"] = differing[:10]
+            max_diff[key] = worst
+        steps = {float(torch.as_tensor(st["step"]).item()) for st in [*ref_opt.values(), *opt_c.values()]}
+        entry["step_values"] = sorted(steps)
+        if not model_eq:
+            max_diff["model"] = max(
+                (max_abs_diff(loaded[ref]["model"][k], loaded[c]["model"][k]) or 0.0)
+                for k in bad_keys
+                if k in loaded[c]["model"] and k in loaded[ref]["model"]
+            )
+        entry["max_abs_diff"] = max_diff
+        entry["equal"] = entry["model_same_keys"] and model_eq and entry["exp_avg_equal"]
+        all_equal = all_equal and entry["equal"]
+        pairs[f"{ref}_vs_{c}"] = entry
+    out["pairs"] = pairs
+    out["all_equal"] = all_equal  # model keys + tensors and AdamW exp_avg, bitwise
+    del loaded
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------

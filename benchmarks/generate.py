@@ -54,6 +54,7 @@ from common import (
     fmt,
     indent,
     machine_info,
+    malloc_trim,
     markdown_table,
     median,
     mib,
@@ -81,21 +82,6 @@ TARGET_REGISTERED_RATIO = 0.8
 # ----------------------------------------------------------------------------------------------------------
 # Inside the ranks
 # ----------------------------------------------------------------------------------------------------------
-
-
-def _malloc_trim(cfg: dict[str, Any]) -> bool:
-    """Give glibc's free heap memory back to the OS (``malloc_trim(0)``), so that RSS is about the live memory
-    and the generation's allocations show up as RSS growth instead of reusing what was freed before (the full
-    model after sharding, the warm-up). False if disabled or unavailable."""
-    if not cfg["malloc_trim"]:
-        return False
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        return False
-    return True
 
 
 def rss_split_mib() -> dict[str, float | None]:
@@ -166,7 +152,7 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
         # the tokens still equal the reference's) and its peak RSS, what the other ranks of `rank0_only` hold
         # while training anyway (the shards, a gathered unit at a time, gradient shards).
         gc.collect()
-        _malloc_trim(cfg)
+        malloc_trim(cfg["malloc_trim"])
         reset_peak_rss()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
         model.train()
@@ -179,7 +165,7 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
     gc.collect()
     dist.barrier()
     info["rss_after_shard_untrimmed_mib"] = mib(rss_kib())
-    info["malloc_trim"] = _malloc_trim(cfg)
+    info["malloc_trim"] = malloc_trim(cfg["malloc_trim"])
     info["shard_rss_mib"] = mib(rss_kib())  # "shard memory" (the full model for `unsharded`)
     info["shard_rss_split_mib"] = rss_split_mib()
     info["hwm_reset_warmup"] = reset_peak_rss()
@@ -196,7 +182,7 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
     info["peak_rss_warmup_mib"] = mib(proc_status_kib("VmHWM")["VmHWM"])
     gc.collect()
     dist.barrier()
-    _malloc_trim(cfg)
+    malloc_trim(cfg["malloc_trim"])
     info["rss_before_timed_mib"] = mib(rss_kib())
     info["rss_before_timed_split_mib"] = rss_split_mib()
     info["hwm_reset"] = reset_peak_rss()  # from here on: the timed generations only

@@ -18,10 +18,12 @@ describe what they need as :class:`GatherItem` s (one per unit and per optimizer
   memory: each sending rank owns a two-slot segment in ``/dev/shm``; for chunk ``k`` it fills slot
   ``k % 2``, all ranks pass one barrier, and the keepers copy straight out of the slot while the senders
   fill the other slot. A sender reuses a slot only after the next barrier, which no keeper enters
-  before it finished reading that slot. Each byte is copied once on each side, where a gloo
-  collective over loopback TCP moves it several times. Anything else (several hosts, CUDA tensors, no
-  usable ``/dev/shm``, ``FLATSHARD_SHM=0``) uses collectives per chunk: ``gather`` to the one keeping rank
-  on gloo, ``all_gather`` otherwise.
+  before it finished reading that slot. A rank that only keeps (rank 0 of a ``rank0_only`` gather)
+  writes no slot, so its segment is never reserved (``reserve_if`` of
+  :func:`~flatshard.engine.transport.shm.exchange_segments`) and costs no memory. Each byte is copied
+  once on each side, where a gloo collective over loopback TCP moves it several times. Anything else
+  (several hosts, CUDA tensors, no usable ``/dev/shm``, ``FLATSHARD_SHM=0``) uses collectives per chunk:
+  ``gather`` to the one keeping rank on gloo, ``all_gather`` otherwise.
 
 The transport is agreed on by all ranks of the group in one object collective when the stream opens,
 so a rank that cannot map a peer's segment makes every rank fall back, never hang. Segments are
@@ -98,6 +100,7 @@ class FlatStream:
             possible=self.device.type == "cpu",
             open_peers=self.keep,  # only keepers read the others' slots
             info={"keep": self.keep},
+            reserve_if=self._sends,  # a rank that only keeps writes nothing: its segment costs no memory
         )
         self.keepers = [r for r, info in enumerate(everyone) if info["keep"]]
         if own is None:
@@ -105,10 +108,14 @@ class FlatStream:
             return
         self.transport = "shm"
         self._segments = peers
-        if any(r != self.rank for r in self.keepers):  # this rank sends: keep its slots
+        if self._sends(everyone):  # keep its slots
             self._own = own
         else:
             own.close()
+
+    def _sends(self, everyone: list[dict[str, Any]]) -> bool:
+        """Whether this rank fills slots: some other rank keeps what it sends."""
+        return any(info["keep"] for r, info in enumerate(everyone) if r != self.rank)
 
     def close(self) -> None:
         for seg in self._segments.values():

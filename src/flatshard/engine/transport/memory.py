@@ -173,6 +173,13 @@ class Prefaulter:
     ahead of the copies that fill them. Whichever touches a page first faults it; the contents never
     change, so nothing waits on the thread. Linux >= 5.14 only (elsewhere, or with
     ``FLATSHARD_PREFAULT=0``, it does nothing).
+
+    The outputs deliberately get ordinary pages, not huge pages (see [Note: huge pages for CPU buffers]):
+    measured on the VM of ``docs/benchmarks.md``, backing 2.3 GB with 4 KiB pages right after the process
+    freed as much took ~1.0 s, with 2 MiB pages 1.8-4.3 s, because a 2 MiB allocation takes whole free
+    blocks, which are the ones the VM has handed back to its host, where 4 KiB pages reuse memory just
+    freed. A first gather in a process whose memory the host has not backed yet (about 5x a warm fault
+    per page there) costs the same either way; the threads spread it over the cores.
     """
 
     _supported = True  # cleared for the process when the kernel refuses MADV_POPULATE_WRITE

@@ -147,12 +147,13 @@ class Segment:
 
     def __init__(self, path: str, nbytes: int, create: bool) -> None:
         self.path = path
+        self.nbytes = nbytes
+        self.reserved = not create  # a peer's segment: its owner reserved it
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                # Reserve the space now: a full tmpfs then fails here, not with SIGBUS on first write.
-                os.posix_fallocate(fd, 0, nbytes)
+                os.ftruncate(fd, nbytes)  # sized, but no page is allocated before reserve() or a write
             self._map: mmap.mmap | None = mmap.mmap(
                 fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
             )
@@ -164,6 +165,17 @@ class Segment:
             raise
         os.close(fd)
         self.bytes: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def reserve(self) -> None:
+        """Allocate the segment's pages now (its name must still exist): a full tmpfs then fails here, with
+        an ``OSError``, not with SIGBUS on the first write."""
+        if not self.reserved:
+            fd = os.open(self.path, os.O_RDWR)
+            try:
+                os.posix_fallocate(fd, 0, self.nbytes)
+            finally:
+                os.close(fd)
+            self.reserved = True
 
     def view(self, start: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """``numel`` elements of ``dtype`` from byte ``start`` of the segment."""
@@ -497,14 +509,22 @@ def _sum_into(out: torch.Tensor, terms: Sequence[torch.Tensor]) -> None:
 
 
 def exchange_segments(
-    group: ProcessGroup | None, nbytes: int, kind: str, possible: bool, open_peers: bool, info: dict[str, Any]
+    group: ProcessGroup | None,
+    nbytes: int,
+    kind: str,
+    possible: bool,
+    open_peers: bool,
+    info: dict[str, Any],
+    reserve_if: Callable[[list[dict[str, Any]]], bool] | None = None,
 ) -> tuple[list[dict[str, Any]], Segment | None, dict[int, Segment]]:
     """Collective over ``group``: each rank creates a segment of ``nbytes`` and the ranks map each other's.
 
     A rank creates its segment when ``possible`` (and ``/dev/shm`` is there and ``FLATSHARD_SHM`` is not
     ``0``), then every rank shares its name and ``info``; ranks with ``open_peers`` map the others'. If any
-    rank could not create or map, or the ranks are on several hosts, every rank gets ``(everyone, None,
-    {})`` and nothing stays mapped: all ranks decide alike, so none waits on a segment another dropped.
+    rank could not create, reserve or map, or the ranks are on several hosts, every rank gets ``(everyone,
+    None, {})`` and nothing stays mapped: all ranks decide alike, so none waits on a segment another dropped.
+    A segment's pages are reserved (:meth:`Segment.reserve`) when it is created, or, with ``reserve_if``, only
+    if ``reserve_if(everyone)`` says this rank will write to it: a segment nobody writes costs no memory.
     Returns every rank's ``info`` (with ``host``, ``path``, ``error``), this rank's segment and its peers'.
     """
     path: str | None = None
@@ -515,15 +535,27 @@ def exchange_segments(
         path = segment_path(kind)
         try:
             own = Segment(path, nbytes, create=True)
+            if reserve_if is None:
+                own.reserve()
         except (OSError, ValueError, RuntimeError) as err:
+            if own is not None:
+                own.close()
+                own = None
+            with contextlib.suppress(OSError):
+                os.unlink(path)
             path, error = None, f"{type(err).__name__}: {err}"
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, {**info, "host": host_key(), "path": path, "error": error}, group=group)
     usable = all(e["path"] for e in everyone) and len({e["host"] for e in everyone}) == 1
     peers: dict[int, Segment] = {}
-    if usable:
-        if open_peers:
+    if usable:  # the same on every rank: each joins the all_reduce below
+        if own is not None and reserve_if is not None and reserve_if(everyone):
+            try:
+                own.reserve()
+            except OSError:
+                usable = False
+        if open_peers and usable:
             try:
                 for r, e in enumerate(everyone):
                     if r != rank:
