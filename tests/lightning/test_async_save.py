@@ -227,9 +227,26 @@ def test_bad_async_save_values_are_refused(cls: Any) -> None:
     cls(state_dict_type="sharded", async_save=True)
 
 
-def test_urls_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"memory://run/ckpt.*HINT: set async_save=False"):
-        AsyncSaver().save({"state_dict": {}}, "memory://run/ckpt")
+def test_saves_to_a_url_replace_the_previous_one_whole(tmp_path: Path) -> None:
+    """One process, ``memory://``: two saves in a row, each loadable; only the last save's objects remain."""
+    import fsspec
+
+    model = torch.nn.Linear(8, 4)
+    flatshard.shard(model)
+    saver = AsyncSaver()
+    url = "memory://async-run/ckpt"
+    assert saver.save({"state_dict": sharded_model_state_dict(model), "step": 1}, url) == url
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    saver.save({"state_dict": sharded_model_state_dict(model), "step": 2}, url)  # waits for the first
+    saver.wait()
+    fresh = torch.nn.Linear(8, 4)
+    flatshard.shard(fresh)
+    assert flatshard.load_checkpoint(url, fresh) == {"step": 2}
+    assert torch.equal(fresh.weight, model.weight)
+    names = sorted(p.rsplit("/", 1)[-1] for p in fsspec.filesystem("memory").ls(url, detail=False))
+    data = [n for n in names if n.endswith(".distcp")]
+    assert names == sorted([".metadata", "meta.pt", *data]) and len(data) == 1, names
 
 
 def test_remove_of_the_path_in_flight_waits(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """The Trainer with checkpoints on a real S3-compatible server (see conftest.py): ``ModelCheckpoint`` writing
-sharded directories to ``s3://`` from 2 ranks, removing the directory a better one replaces, and
+sharded directories to ``s3://`` from 2 ranks in the background (``async_save=True``), removing the directory a better one replaces, and
 ``fit(ckpt_path="s3://...")`` resuming on 4 ranks, ending where one uninterrupted device ends.
 
 Global batch 4 (2 ranks x 2, 4 ranks x 1, 1 device x 4), 3 steps per epoch: 2 epochs on 2 ranks, the third on
@@ -50,7 +50,8 @@ def _first_run(rank: int, world: int, dirpath: str, cwd: str) -> dict[str, Any]:
     recorder = LossRecorder()
     trainer = make_trainer(
         world,
-        flatshard.FlatShardStrategy(state_dict_type="sharded", auto_wrap_policy={Block}),
+        # asynchronous saves: written in the background while training goes on
+        flatshard.FlatShardStrategy(state_dict_type="sharded", auto_wrap_policy={Block}, async_save=True),
         max_epochs=FIRST_EPOCHS,
         callbacks=[callback, recorder],
         enable_checkpointing=True,

@@ -24,11 +24,17 @@ final gather included, in its background thread, so its collectives need a proce
 its staging knows nothing of flatshard's piece entries; the local rename after every rank has finished would
 still need a collective at the end.
 
+At a URL (see [Note: checkpoint storage]) the same steps run without a directory to rename: every rank's thread
+writes its data object under a name unique to the save, the other ranks' markers are objects named after the
+save (``.flatshard-done-<rank>-<save id>``) that rank 0 polls, and rank 0 writes ``meta.pt`` and ``.metadata``
+last, then deletes the markers and earlier saves' data objects. Until ``.metadata`` lands the previous
+checkpoint of that name is the one a load reads; a process killed mid-save leaves only unreferenced objects,
+which the next save of that name deletes.
+
 The next save, a load and the end of training wait for the write in flight; so does the removal of the
 checkpoint being written (removing another one is safe meanwhile: a save touches only its own name and hidden
 siblings). A failed write is raised by the next of those calls, naming the path and the rank; where every rank
-calls (a save, a load) every rank raises. URLs are refused (an object store's data objects and metadata are
-written by DCP's collective finish, see [Note: checkpoint storage]); save them with ``async_save=False``.
+calls (a save, a load) every rank raises.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import os
 import pickle
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -55,6 +62,7 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from flatshard.checkpoint.dcp_layout import Names
 from flatshard.checkpoint.errors import CheckpointError
+from flatshard.checkpoint.remote_dcp import RemoteWriter, remove_stale_objects
 from flatshard.checkpoint.sharded import (
     EXTRA_KEY,
     SavePlanner,
@@ -63,14 +71,14 @@ from flatshard.checkpoint.sharded import (
     replace_directory,
     write_lightning_meta,
 )
-from flatshard.checkpoint.storage import is_url, locate
+from flatshard.checkpoint.storage import Location, Remote, locate, locate_checked, storage_error
 from flatshard.checkpoint.validate import agree_on_error
 from flatshard.engine import ParamShard, global_rank
 
 __all__ = ["PEER_TIMEOUT_S", "AsyncSaver", "stage_entries"]
 
 PEER_TIMEOUT_S = 1800.0  # how long rank 0's writer thread waits for the other ranks' data files
-_POLL_S = 0.02
+_POLL_S, _REMOTE_POLL_S = 0.02, 0.5  # how often rank 0 looks for the other ranks' markers
 _DONE, _ERROR = ".flatshard-done-", ".flatshard-error-"
 
 log = logging.getLogger(__name__)
@@ -107,12 +115,54 @@ def _copy_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- one save
+class _Markers:
+    """Where the other ranks tell rank 0 they have written (see [Note: asynchronous sharded saves]): files in the
+    hidden directory every rank writes into, or objects under the checkpoint's URL named after the save."""
+
+    def __init__(self, where: Path | Remote, save_id: str = "") -> None:
+        self.where = where
+        self.suffix = f"-{save_id}" if save_id else ""
+        self.poll_s = _REMOTE_POLL_S if isinstance(where, Remote) else _POLL_S
+
+    def name(self, kind: str, rank: int) -> str:
+        return f"{kind}{rank}{self.suffix}"
+
+    def write(self, kind: str, rank: int, payload: bytes) -> None:
+        name = self.name(kind, rank)
+        if isinstance(self.where, Remote):
+            self.where.fs.pipe_file(self.where.child(name).path, payload)  # one request: whole or absent
+        else:
+            partial = self.where / f"{name}.partial"
+            partial.write_bytes(payload)
+            os.replace(partial, self.where / name)
+
+    def read(self, kind: str, rank: int) -> bytes | None:
+        name = self.name(kind, rank)
+        try:
+            if isinstance(self.where, Remote):
+                return bytes(self.where.fs.cat_file(self.where.child(name).path))
+            return (self.where / name).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def remove(self, kind: str, rank: int) -> None:
+        name = self.name(kind, rank)
+        try:
+            if isinstance(self.where, Remote):
+                self.where.fs.rm_file(self.where.child(name).path)
+            else:
+                (self.where / name).unlink()
+        except FileNotFoundError:
+            pass
+
+
 @dataclass(eq=False)
 class _Job:
     """One save in flight: what its thread needs, and what it left."""
 
-    target: Path
-    tmp: Path
+    target: Location
+    tmp: Path | None  # the hidden directory of a local save
+    markers: _Markers
     rank: int
     world: int
     writer: dcp.FileSystemWriter
@@ -126,12 +176,11 @@ class _Job:
 
 
 def _plan(
-    entries: dict[str, Any], paths: dict[str, tuple[str | int, ...]], tmp: Path
-) -> tuple[dcp.FileSystemWriter, SavePlanner, SavePlan, Any]:
+    entries: dict[str, Any], paths: dict[str, tuple[str | int, ...]], writer: dcp.FileSystemWriter
+) -> tuple[SavePlanner, SavePlan, Any]:
     """DCP's planning step (collective when a process group exists), as ``dcp.save`` runs it."""
     distributed = dist.is_available() and dist.is_initialized()
     dist_wrapper = _DistWrapper(None, distributed, 0)
-    writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True)
     planner = SavePlanner(entries, paths)
     metadata: list[Metadata] = []
 
@@ -153,13 +202,7 @@ def _plan(
             plan = dist_wrapper.reduce_scatter("plan", local_step, global_step)
         else:
             plan = global_step([local_step()])[0]
-    return writer, planner, plan, metadata[0] if metadata else None
-
-
-def _write_marker(directory: Path, name: str, payload: bytes) -> None:
-    partial = directory / f"{name}.partial"
-    partial.write_bytes(payload)
-    os.replace(partial, directory / name)
+    return planner, plan, metadata[0] if metadata else None
 
 
 def _run(job: _Job) -> None:
@@ -170,21 +213,27 @@ def _run(job: _Job) -> None:
         future.wait()
         results: list[WriteResult] = future.value()
         if job.rank != 0:
-            _write_marker(job.tmp, f"{_DONE}{job.rank}", pickle.dumps(results))
+            job.markers.write(_DONE, job.rank, pickle.dumps(results))
             return
         all_results = [results, *_peer_results(job)]
         assert job.metadata is not None
-        write_lightning_meta(job.planner.entry(EXTRA_KEY), job.tmp)
-        job.writer.finish(job.metadata, all_results)
+        if job.tmp is not None:
+            write_lightning_meta(job.planner.entry(EXTRA_KEY), job.tmp)
+        job.writer.finish(job.metadata, all_results)  # at a URL: meta.pt, then .metadata
         for rank in range(1, job.world):
-            (job.tmp / f"{_DONE}{rank}").unlink(missing_ok=True)
-        replace_directory(job.tmp, job.target)
+            job.markers.remove(_DONE, rank)
+        if isinstance(job.target, Remote):
+            assert isinstance(job.writer, RemoteWriter)
+            remove_stale_objects(job.target, keep=set(job.writer.written))
+        else:
+            assert job.tmp is not None
+            replace_directory(job.tmp, job.target)
     except BaseException as err:  # DCP's error is a BaseException; kept for the next wait
         job.error = err
         if job.rank != 0:
             try:
-                _write_marker(job.tmp, f"{_ERROR}{job.rank}", f"{type(err).__name__}: {err}".encode())
-            except OSError:
+                job.markers.write(_ERROR, job.rank, f"{type(err).__name__}: {err}".encode())
+            except Exception:
                 pass  # rank 0 reports the timeout; this rank reports its own error
 
 
@@ -201,21 +250,30 @@ def _peer_results(job: _Job) -> list[list[WriteResult]]:
         for rank in range(1, job.world):
             if rank in results:
                 continue
-            error = job.tmp / f"{_ERROR}{rank}"
-            if error.exists():
-                raise CheckpointError(f"rank {rank} could not write its data file ({error.read_text()})")
-            done = job.tmp / f"{_DONE}{rank}"
-            if done.exists():
-                results[rank] = pickle.loads(done.read_bytes())
+            error = job.markers.read(_ERROR, rank)
+            if error is not None:
+                raise CheckpointError(f"rank {rank} could not write its data file ({error.decode()})")
+            done = job.markers.read(_DONE, rank)
+            if done is not None:
+                results[rank] = pickle.loads(done)
         if len(results) < job.world - 1:
             if time.monotonic() > deadline:
                 missing = [r for r in range(1, job.world) if r not in results]
                 raise CheckpointError(
                     f"ranks {missing} did not finish writing their data files within {job.peer_timeout_s:.0f} s "
-                    f"(no {_DONE}<rank> marker in {job.tmp}; every rank must see the same directory)"
+                    f"(no {job.markers.name(_DONE, missing[0])} marker in {job.markers.where}; every rank must "
+                    "see the same storage)"
                 )
-            time.sleep(_POLL_S)
+            time.sleep(job.markers.poll_s)
     return [results[r] for r in range(1, job.world)]
+
+
+def _agreed_save_id() -> str:
+    """Rank 0's new save id, on every rank (collective when a process group exists)."""
+    ids = [uuid.uuid4().hex[:12]]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(ids, src=0)
+    return ids[0]
 
 
 # ---------------------------------------------------------------------------------------------- the saver
@@ -231,7 +289,7 @@ class AsyncSaver:
         self._job: _Job | None = None
 
     @property
-    def in_flight(self) -> Path | None:
+    def in_flight(self) -> Location | None:
         """The path of the save being written (or written and not yet waited for), if any."""
         return None if self._job is None else self._job.target
 
@@ -242,33 +300,43 @@ class AsyncSaver:
         return job is not None and job.thread is not None and job.thread.is_alive()
 
     def save(
-        self, checkpoint: Mapping[str, Any], path: str | os.PathLike[str], names: Names | None = None
-    ) -> Path:
-        """Stage ``checkpoint`` (holding sharded state) and start writing it to the directory ``path``; every
-        rank calls. Waits for the previous save first and raises its error on every rank. ``names``: see
-        :func:`~flatshard.checkpoint.sharded.flatten_checkpoint`. Returns the path."""
+        self, checkpoint: Mapping[str, Any], path: str | os.PathLike[str] | Remote, names: Names | None = None
+    ) -> Path | str:
+        """Stage ``checkpoint`` (holding sharded state) and start writing it to the directory ``path`` (a local
+        path or a URL); every rank calls. Waits for the previous save first and raises its error on every rank.
+        ``names``: see :func:`~flatshard.checkpoint.sharded.flatten_checkpoint`. Returns the path (the URL for a
+        URL)."""
         self.wait(collective=True)
-        if is_url(path):
-            raise ValueError(
-                f"async_save=True cannot write to the URL {os.fspath(path)}: asynchronous saves are written to "
-                "local (or shared, mounted) directories only. HINT: set async_save=False to save to URLs, or save "
-                "to a local directory and upload it."
-            )
-        target = locate(path)
-        assert isinstance(target, Path)
+        target = locate_checked(path)  # a URL's storage answers on every rank before anything is staged
         flat = flatten_checkpoint(checkpoint, names)
         rank = global_rank()
         staged = stage_entries(flat.entries)
         paths = flat.paths
+        extra = staged.get(EXTRA_KEY) if flat.extra is not None else None  # the staged copy: training goes on
         del flat
-        tmp = prepare_temporary(target)
-        writer, planner, plan, metadata = _plan(staged, paths, tmp)
+        tmp: Path | None = None
+        if isinstance(target, Remote):
+            save_id = _agreed_save_id()  # names the data objects and the markers alike on every rank
+            writer: dcp.FileSystemWriter = RemoteWriter(target, save_id, extra)
+            markers = _Markers(target, save_id)
+            label = target.url.rstrip("/").rsplit("/", 1)[-1]
+        else:
+            tmp = prepare_temporary(target)
+            writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True)
+            markers = _Markers(tmp)
+            label = target.name
+        try:
+            planner, plan, metadata = _plan(staged, paths, writer)
+        except (Exception, dcp.CheckpointException) as err:  # DCP's error is a BaseException
+            if isinstance(target, Remote):
+                raise storage_error(target, err, "plan the sharded checkpoint") from err
+            raise
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        job = _Job(target, tmp, rank, world, writer, planner, plan, metadata, self.peer_timeout_s)
-        job.thread = threading.Thread(target=_run, args=(job,), name=f"flatshard-save-{target.name}")
+        job = _Job(target, tmp, markers, rank, world, writer, planner, plan, metadata, self.peer_timeout_s)
+        job.thread = threading.Thread(target=_run, args=(job,), name=f"flatshard-save-{label}")
         self._job = job
         job.thread.start()
-        return target
+        return target if isinstance(target, Path) else target.url
 
     def wait(self, *, collective: bool = False) -> None:
         """Wait for the save in flight; raise its error naming the path. ``collective``: every rank calls, and
@@ -297,12 +365,14 @@ class AsyncSaver:
     def wait_for(self, path: str | os.PathLike[str]) -> None:
         """Wait (on this rank) if the save in flight writes ``path``; before removing it, for instance."""
         job = self._job
-        if job is not None and not is_url(path) and _same_path(locate(path), job.target):
+        if job is not None and _same_location(locate(path), job.target):
             self.wait()
 
 
-def _same_path(a: Any, b: Path) -> bool:
-    return isinstance(a, Path) and os.path.abspath(a) == os.path.abspath(b)
+def _same_location(a: Location, b: Location) -> bool:
+    if isinstance(a, Remote) or isinstance(b, Remote):
+        return isinstance(a, Remote) and isinstance(b, Remote) and a.url.rstrip("/") == b.url.rstrip("/")
+    return os.path.abspath(a) == os.path.abspath(b)
 
 
 def _failed(job: _Job) -> CheckpointError:

@@ -36,7 +36,10 @@ def remove_stale_objects(target: Remote, keep: set[str]) -> None:
     leaves unreferenced objects behind."""
     try:
         for name, entry in children(target).items():
-            if name.endswith(".distcp") and name not in keep and entry.get("type") == "file":
+            ours = name.endswith(".distcp") or name.startswith(
+                ".flatshard-"
+            )  # data objects, async save markers
+            if ours and name not in keep and entry.get("type") == "file":
                 target.fs.rm_file(str(entry["name"]))
         target.refresh()
         if target.fs.info(target.path).get("type") == "file":  # an object store keeps "x" beside "x/..."

@@ -107,8 +107,8 @@ class FlatShardStrategy(ParallelStrategy):
             Loading accepts either kind whatever this is set to. Default: ``"full"``.
         async_save: with ``state_dict_type="sharded"``, a save copies this rank's pieces into CPU memory and
             returns; a thread writes them while training goes on. The next save, a load, the removal of that
-            checkpoint and the end of ``fit`` wait for it, and raise its error naming the path. Local (or
-            mounted) directories only; ``"full"`` is refused. Default: ``False``.
+            checkpoint and the end of ``fit`` wait for it, and raise its error naming the path. Local paths and
+            URLs alike; ``"full"`` is refused. Default: ``False``.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding. Default: ``False``.
         grad_accumulation: how ``accumulate_grad_batches`` accumulates. ``"sharded"`` (default): every
             micro-batch's gradient is reduce-scattered and the gradient shards add up (least memory).
