@@ -580,9 +580,6 @@ class ShardedReader:
     def is_object(self, fqn: str) -> bool:
         return isinstance(self.entries.get(fqn), BytesStorageMetadata)
 
-    def keys_with_prefix(self, prefix: str) -> list[str]:
-        return [k for k in self.entries if k.startswith(prefix)]
-
     def full_shape(self, fqn: str) -> torch.Size:
         """The logical shape of an entry (format version 1 stored pieces flat)."""
         if self.is_piece(fqn):
