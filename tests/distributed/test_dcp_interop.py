@@ -142,6 +142,20 @@ def _write_fsdp2(rank: int, world: int, path: str, model_key: str, optim_key: st
     dcp.save({model_key: msd, optim_key: osd}, checkpoint_id=path)
 
 
+def _write_fsdp2_flattened(rank: int, world: int, path: str) -> None:
+    """torch's flattened optimizer layout (``flatten_optimizer_state_dict``: ``state.<name>.<key>``,
+    ``param_groups.<name>.<field>``) beside bare model keys, as torchtitan's checkpoints hold them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = _fsdp2(TinyGPT())
+    opt = _train(model, rank, world)
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    dcp.save({**msd, "optimizer": osd}, checkpoint_id=path)
+
+
 # ------------------------------------------------------------------------------------- readers (in ranks)
 def _load_flatshard(rank: int, world: int, path: str) -> dict[str, Any] | None:
     torch.set_num_threads(1)
@@ -264,6 +278,13 @@ def test_flatshard_loads_fsdp2_get_state_dict_checkpoints(tmp_path: Path, keys: 
     assert result["extra"] == {}
 
 
+def test_flatshard_loads_bare_model_keys_and_a_flattened_optimizer(tmp_path: Path) -> None:
+    ckpt = tmp_path / "flattened"
+    spawn(_write_fsdp2_flattened, 2, str(ckpt))
+    result = spawn(_load_flatshard, 3, str(ckpt))[0]
+    _assert_matches(result["weights"], result["state"], "flattened FSDP2 -> flatshard")
+
+
 def test_lightning_fsdp_and_fsdp2_load_a_flatshard_checkpoint(tmp_path: Path) -> None:
     ckpt = tmp_path / "flatshard"
     spawn(_write_flatshard, 3, str(ckpt))
@@ -285,6 +306,22 @@ def test_a_foreign_checkpoint_of_another_model_is_refused_before_anything_change
         flatshard.load_checkpoint(ckpt, model)
     assert str(ckpt) in str(err.value)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_other_param_groups_are_refused_before_anything_changes(tmp_path: Path) -> None:
+    ckpt = tmp_path / "flatshard"
+    spawn(_write_flatshard, 2, str(ckpt))
+    torch.manual_seed(1)
+    model = TinyGPT()
+    flatshard.shard(model)
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    others = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": matrices}, {"params": others, "weight_decay": 0.0}], lr=LR)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"param groups do not match the checkpoint's.*HINT"):
+        flatshard.load_checkpoint(ckpt, model, opt)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not opt.state
 
 
 def test_consolidate_and_inspect_read_a_lightning_fsdp_directory(

@@ -170,10 +170,45 @@ def _optim_targets(
     return targets, where
 
 
-def _own_names(module: nn.Module, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Param groups whose parameter names are another tool's (``_orig_mod.`` and such) renamed to the module's."""
-    own = {canonical(n): n for n in parameter_names(module).values()}
-    return [dict(g, params=[own.get(canonical(str(n)), n) for n in g["params"]]) for g in groups]
+def _own_groups(
+    module: nn.Module, optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], per_parameter: bool
+) -> list[dict[str, Any]]:
+    """Saved param groups in the optimizer's terms: another tool's parameter names (``_orig_mod.`` and such)
+    renamed to the module's. Groups saved per parameter (torch's flattened layout keeps no grouping) are
+    regrouped like the optimizer's, provided every parameter of a group was saved with the same
+    hyper-parameters. Anything else is returned for validation to report."""
+    names = parameter_names(module)
+    own = {canonical(n): n for n in names.values()}
+    renamed = [dict(g, params=[own.get(canonical(str(n)), n) for n in g["params"]]) for g in groups]
+    if not per_parameter:
+        return renamed
+    live = [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
+    fields_of: dict[Any, dict[str, Any]] = {}
+    for g in renamed:
+        for name in g["params"]:
+            fields_of[name] = {k: v for k, v in g.items() if k != "params"}
+    if sorted(map(str, fields_of)) != sorted(str(n) for g in live for n in g):
+        return renamed
+    regrouped = []
+    for members in live:
+        fields = [fields_of[n] for n in members]
+        if not fields or not all(_same_fields(f, fields[0]) for f in fields[1:]):
+            return renamed
+        regrouped.append({**fields[0], "params": list(members)})
+    return regrouped
+
+
+def _same_fields(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for key, x in a.items():
+        y = b[key]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
 
 
 def _piece_targets(reader: ShardedReader, module: nn.Module, extra: dict[str, Any]) -> dict[str, Any]:
@@ -221,7 +256,8 @@ def load_sharded(
             check_optimizer_count(path, layout.num_optimizers, optimizers)
             for k, opt in enumerate(optimizers):
                 groups_root, state_entries = layout.optimizers[k]
-                groups.append(_own_names(module, reader.param_groups(groups_root)))
+                saved = reader.param_groups(groups_root)
+                groups.append(_own_groups(module, opt, saved, reader.per_parameter_groups(groups_root)))
                 # validate the groups now (with empty state) so nothing is read for a mismatched optimizer
                 to_local_optim_state(
                     module, opt, {"state": {}, "param_groups": groups[k]}, source=f"{path} (optimizer #{k})"

@@ -694,9 +694,18 @@ class ShardedReader:
             ) from err
         return planner.objects
 
+    def per_parameter_groups(self, root: str) -> bool:
+        """Whether an optimizer's param groups are stored per parameter (torch's flattened layout)."""
+        head = root + "."
+        return root not in self.entries and any(
+            k.startswith(head) and not k[len(head) :].partition(".")[0].isdigit() for k in self.entries
+        )
+
     def param_groups(self, root: str) -> list[dict[str, Any]]:
-        """An optimizer's param groups (on this process alone): one object entry ``root``, or one entry per group
-        and field under it (tensor fields read whole)."""
+        """An optimizer's param groups (on this process alone): one object entry ``root``, one entry per group
+        and field under it (``<root>.<i>.<field>``), or one per parameter and field (``<root>.<name>.<field>``,
+        torch's ``flatten_optimizer_state_dict``: then one group per parameter, which loading regroups like the
+        optimizer's). Tensor fields are read whole."""
         if root in self.entries:
             return [dict(g) for g in self.read_objects([root])[root]]
         head = root + "."
@@ -709,10 +718,17 @@ class ShardedReader:
         values = self.read_objects([k for k in keys if k not in tensors], tensors)
         values.update(tensors)
         groups: dict[int, dict[str, Any]] = {}
+        per_param: dict[str, dict[str, Any]] = {}
         for k in keys:
-            index, _, field_name = k[len(head) :].partition(".")
-            groups.setdefault(int(index), {})[field_name] = values[k]
-        return [groups[i] for i in sorted(groups)]
+            rest = k[len(head) :]
+            index, _, field_name = rest.partition(".")
+            if index.isdigit():
+                groups.setdefault(int(index), {})[field_name] = values[k]
+            else:
+                name, _, field_name = rest.rpartition(".")
+                per_param.setdefault(name, {})[field_name] = values[k]
+        one_each = [{**fields, "params": [name]} for name, fields in per_param.items()]
+        return [groups[i] for i in sorted(groups)] + one_each
 
     def read_objects(
         self, keys: Sequence[str], tensors: Mapping[str, torch.Tensor] | None = None
