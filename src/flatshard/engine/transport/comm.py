@@ -141,18 +141,7 @@ def _wait(work: Any, label: watchdog.Label | None, output: torch.Tensor) -> None
         work.wait()
         return
     if label is not None and label.kind == "reduce_scatter":
-        # gloo's reduce_scatter runs inside wait() (it never completes on its own, and ignores a wait
-        # timeout): publish the position first, so a desync report names it, then block. The ranks that
-        # raise leave, which ends this wait with an error; it is reported as the desync it was.
-        watchdog.blocked(label, time.monotonic())
-        try:
-            work.wait()
-        except RuntimeError as err:
-            if watchdog.verdict() is not None:
-                raise watchdog.DesyncError(watchdog.verdict()) from err
-            raise
-        finally:
-            watchdog.unblocked()
+        watchdog.wait_whole(work, label)  # gloo's reduce_scatter runs inside wait() and ignores a timeout
         return
     watchdog.wait_sliced(work, label)
 

@@ -62,6 +62,7 @@ __all__ = [
     "verdict",
     "wait_collective",
     "wait_sliced",
+    "wait_whole",
 ]
 
 log = logging.getLogger("flatshard")
@@ -184,12 +185,31 @@ def wait_sliced(work: Any, label: Label | None) -> None:
                 return
             except RuntimeError as err:
                 if "timed out" not in str(err).lower() or work.is_completed():
-                    if _STATE.verdict is not None:
-                        raise DesyncError(_STATE.verdict) from err
+                    _raise_verdict(err)
                     raise
             blocked(label, since)
     finally:
         unblocked()
+
+
+def wait_whole(work: Any, label: Label | None) -> None:
+    """Wait for a c10d ``work`` whose ``wait`` does the work itself and ignores a timeout (gloo's
+    ``reduce_scatter``): publish the position first, so a desync report names it, then block. The ranks that
+    raise leave, which ends this wait with an error; it is reported as the desync it was."""
+    blocked(label, time.monotonic())
+    try:
+        work.wait()
+    except RuntimeError as err:
+        _raise_verdict(err)
+        raise
+    finally:
+        unblocked()
+
+
+def _raise_verdict(err: BaseException) -> None:
+    """After a verdict, a collective's error is the desync's doing: raise it as :class:`DesyncError`."""
+    if _STATE.verdict is not None:
+        raise DesyncError(_STATE.verdict) from err
 
 
 def start() -> None:
