@@ -249,6 +249,48 @@ def test_saves_to_a_url_replace_the_previous_one_whole(tmp_path: Path) -> None:
     assert names == sorted([".metadata", "meta.pt", *data]) and len(data) == 1, names
 
 
+def test_a_failed_save_to_a_url_keeps_the_previous_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One process, ``memory://``: a save whose metadata write fails raises on the next wait and leaves the
+    previous checkpoint loadable; the next save removes what the failed one left."""
+    import fsspec
+
+    from flatshard.checkpoint import remote_dcp
+
+    model = torch.nn.Linear(8, 4)
+    flatshard.shard(model)
+    saver = AsyncSaver()
+    url = "memory://async-failed/ckpt"
+    saver.save({"state_dict": sharded_model_state_dict(model), "step": 1}, url)
+    saver.wait()
+    expected = model.weight.detach().clone()
+
+    def fails(self: object, metadata: object, results: object) -> None:
+        raise OSError("connection reset")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(remote_dcp.RemoteWriter, "finish", fails)
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        saver.save({"state_dict": sharded_model_state_dict(model), "step": 2}, url)
+        with pytest.raises(
+            CheckpointError, match=r"memory://async-failed/ckpt failed on rank 0.*connection reset"
+        ):
+            saver.wait()
+    fresh = torch.nn.Linear(8, 4)
+    flatshard.shard(fresh)
+    assert flatshard.load_checkpoint(url, fresh) == {"step": 1}
+    assert torch.equal(fresh.weight, expected)
+    fs = fsspec.filesystem("memory")
+    assert (
+        len([n for n in fs.ls(url, detail=False) if n.endswith(".distcp")]) == 2
+    )  # the failed save's is left
+    saver.save({"state_dict": sharded_model_state_dict(model), "step": 3}, url)
+    saver.wait()
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(url, detail=False))
+    data = [n for n in names if n.endswith(".distcp")]
+    assert names == sorted([".metadata", "meta.pt", *data]) and len(data) == 1, names
+
+
 def test_remove_of_the_path_in_flight_waits(tmp_path: Path) -> None:
     """One process: removing the directory being written waits for it; removing another does not."""
     model = torch.nn.Linear(8, 4)
