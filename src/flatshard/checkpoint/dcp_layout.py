@@ -52,6 +52,9 @@ __all__ = [
     "fill_pieces",
     "find_pieces",
     "flat_boxes",
+    "foreign_layout",
+    "group_root",
+    "optimizer_state_entries",
     "split_pieces",
 ]
 
@@ -208,8 +211,8 @@ class Layout:
         model: state-dict key -> DCP key, in the saved order (tied aliases map to their first key's entry).
         aliases: tied key -> the key whose entry holds it.
         optimizers: per optimizer, the root of its ``param_groups`` (one object entry of that name, or one
-            entry per group and field under it) and ``{DCP key: (parameter name,
-            state key)}`` of its state.
+            entry per group or parameter and field under it) and ``{DCP key: (parameter name, state key)}`` of
+            its state.
         extra_key: the object entry holding the rest of the checkpoint, if any (else ``meta.pt`` or nothing).
         saved_optimizers: whether optimizer states were saved at all (a list, possibly empty).
     """

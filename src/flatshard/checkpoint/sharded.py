@@ -606,8 +606,8 @@ class ShardedReader:
             return foreign_layout(self.entries, module_keys, names, num_optimizers)
         keys = meta.get("model_keys")
         aliases: dict[str, str] = dict(meta.get("aliases") or {})
-        count = meta.get("num_optimizers") if self.version == 1 else len(meta.get("optimizer_names") or [])
         if self.version == 1:
+            count = meta.get("num_optimizers")
             model = None if keys is None else {k: "model/" + aliases.get(k, k) for k in keys}
             optimizers = []
             for k in range(count or 0):
