@@ -25,8 +25,11 @@ from pathlib import Path
 
 import pytest
 import s3fs
+import torch
 
+import flatshard
 from flatshard.testing import find_free_port
+from flatshard.testing.models import Block, TinyGPT, make_batch
 
 BUCKET = "flatshard-test"
 
@@ -114,3 +117,16 @@ def local_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
     monkeypatch.chdir(cwd)
     yield cwd
     assert sorted(p.name for p in cwd.iterdir()) == [], "a URL was written as a local path"
+
+
+def trained_tinygpt(seed: int = 0, steps: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A sharded TinyGPT (Block units) and its AdamW after ``steps`` steps: every rank alike."""
+    torch.manual_seed(seed)
+    model = TinyGPT()
+    flatshard.shard(model, auto_wrap_policy={Block})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        model.loss(*make_batch(step, 4)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer

@@ -15,23 +15,12 @@ import torch
 
 import flatshard
 from flatshard.checkpoint import CheckpointError, is_sharded_checkpoint, is_url, locate, remove_checkpoint
-from flatshard.testing.models import Block, TinyGPT, make_batch
 
-
-def _trained(seed: int = 0, steps: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = TinyGPT()
-    flatshard.shard(model, auto_wrap_policy={Block})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(steps):
-        model.loss(*make_batch(step, 4)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model, optimizer
+from .conftest import trained_tinygpt
 
 
 def _assert_loads_back(url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    fresh, fresh_optimizer = _trained(seed=123, steps=0)
+    fresh, fresh_optimizer = trained_tinygpt(seed=123, steps=0)
     assert flatshard.load_checkpoint(url, fresh, fresh_optimizer) == {"step": 1}
     expected = flatshard.get_state_dict(model, optimizer, rank0_only=False)
     actual = flatshard.get_state_dict(fresh, fresh_optimizer, rank0_only=False)
@@ -57,7 +46,7 @@ def test_paths_and_urls_are_told_apart_by_their_text() -> None:
 
 @pytest.mark.parametrize("kind", ["full", "sharded"])
 def test_file_urls_are_local_paths(kind: str, tmp_path: Path) -> None:
-    model, optimizer = _trained()
+    model, optimizer = trained_tinygpt()
     url = f"file://{tmp_path}/ckpt"
     assert flatshard.save_checkpoint(url, model, optimizer, state_dict_type=kind, extra={"step": 1}) == (
         tmp_path / "ckpt"
@@ -72,7 +61,7 @@ def test_file_urls_are_local_paths(kind: str, tmp_path: Path) -> None:
 def test_memory_urls_save_load_consolidate_and_remove() -> None:
     root = f"memory://flatshard-test-{uuid.uuid4().hex[:8]}"
     fs = fsspec.filesystem("memory")
-    model, optimizer = _trained()
+    model, optimizer = trained_tinygpt()
     for kind in ("full", "sharded"):
         url = f"{root}/{kind}.ckpt"
         for _ in range(2):  # the second save replaces the first

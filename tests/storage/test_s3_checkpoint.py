@@ -19,22 +19,9 @@ import flatshard
 from flatshard import cli
 from flatshard.checkpoint import CheckpointError, is_sharded_checkpoint, remote_dcp, remove_checkpoint
 from flatshard.testing import find_free_port, spawn
-from flatshard.testing.models import Block, TinyGPT, make_batch
+from flatshard.testing.models import TinyGPT
 
-from .conftest import S3Server, other_endpoint
-
-
-def _trained(seed: int = 0, steps: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """A sharded TinyGPT (Block units) and its AdamW after ``steps`` steps: every rank alike."""
-    torch.manual_seed(seed)
-    model = TinyGPT()
-    flatshard.shard(model, auto_wrap_policy={Block})
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(steps):
-        model.loss(*make_batch(step, 4)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model, optimizer
+from .conftest import S3Server, other_endpoint, trained_tinygpt
 
 
 def _full_state(
@@ -66,7 +53,7 @@ def _objects(url: str) -> list[str]:
 # ------------------------------------------------------------------------------------- 2 ranks
 def _save_and_load_on_ranks(rank: int, world: int, url: str, cwd: str) -> dict[str, Any]:
     os.chdir(cwd)
-    model, optimizer = _trained()
+    model, optimizer = trained_tinygpt()
     expected = _full_state(model, optimizer)
     out: dict[str, Any] = {}
     for kind in ("full", "sharded"):
@@ -74,7 +61,7 @@ def _save_and_load_on_ranks(rank: int, world: int, url: str, cwd: str) -> dict[s
         returned = flatshard.save_checkpoint(
             target, model, optimizer, state_dict_type=kind, extra={"step": 1}
         )
-        fresh, fresh_optimizer = _trained(seed=123, steps=0)
+        fresh, fresh_optimizer = trained_tinygpt(seed=123, steps=0)
         extra = flatshard.load_checkpoint(target, fresh, fresh_optimizer)
         _assert_same_state(_full_state(fresh, fresh_optimizer), expected)
         out[kind] = {"returned": returned, "extra": extra, "sharded": is_sharded_checkpoint(target)}
@@ -99,7 +86,7 @@ def test_full_and_sharded_checkpoints_round_trip_through_s3_on_two_ranks(
 
 def _save_to_unreachable(rank: int, world: int, url: str, cwd: str) -> dict[str, str]:
     os.chdir(cwd)
-    model, optimizer = _trained(steps=0)
+    model, optimizer = trained_tinygpt(steps=0)
     out = {}
     for kind in ("full", "sharded"):
         try:
@@ -128,7 +115,7 @@ def test_an_unreachable_endpoint_fails_on_every_rank_before_anything_is_written(
 
 # ------------------------------------------------------------------------------------- one process
 def test_consolidate_from_s3_to_a_local_file_and_to_s3(s3_url: str, local_cwd: Path, tmp_path: Path) -> None:
-    model, optimizer = _trained(steps=2)
+    model, optimizer = trained_tinygpt(steps=2)
     expected_model, expected_optim = flatshard.get_state_dict(model, optimizer)
     src = f"{s3_url}/sharded.ckpt"
     flatshard.save_checkpoint(src, model, optimizer, state_dict_type="sharded", extra={"epoch": 3})
@@ -153,9 +140,9 @@ def test_replacing_a_checkpoint_on_s3_keeps_the_old_one_until_the_new_metadata_i
     s3_url: str, local_cwd: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = f"{s3_url}/last.ckpt"
-    old_model, old_optimizer = _trained(steps=1)
+    old_model, old_optimizer = trained_tinygpt(steps=1)
     flatshard.save_checkpoint(url, old_model, old_optimizer, state_dict_type="sharded", extra={"step": 1})
-    new_model, new_optimizer = _trained(steps=2)
+    new_model, new_optimizer = trained_tinygpt(steps=2)
 
     def killed(self: Any, metadata: Any, results: Any) -> None:
         raise RuntimeError("killed before the metadata was written")
@@ -168,7 +155,7 @@ def test_replacing_a_checkpoint_on_s3_keeps_the_old_one_until_the_new_metadata_i
             )
     # The new data objects are there, but the old metadata still names only the old ones: the old checkpoint.
     assert len([o for o in _objects(url) if o.endswith(".distcp")]) == 2
-    fresh, fresh_optimizer = _trained(seed=123, steps=0)
+    fresh, fresh_optimizer = trained_tinygpt(seed=123, steps=0)
     assert flatshard.load_checkpoint(url, fresh, fresh_optimizer) == {"step": 1}
     _assert_same_state(_full_state(fresh, fresh_optimizer), _full_state(old_model, old_optimizer))
     # The next complete save replaces it and removes the data objects of the earlier saves (only those).
@@ -186,7 +173,7 @@ def test_a_failed_full_file_upload_leaves_the_previous_file(
     s3_url: str, local_cwd: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = f"{s3_url}/full.ckpt"
-    model, optimizer = _trained(steps=1)
+    model, optimizer = trained_tinygpt(steps=1)
     flatshard.save_checkpoint(url, model, optimizer, extra={"step": 1})
     real_save = torch.save
 
@@ -199,13 +186,13 @@ def test_a_failed_full_file_upload_leaves_the_previous_file(
         with pytest.raises(CheckpointError, match="could not write it"):
             flatshard.save_checkpoint(url, model, optimizer, extra={"step": 2})
     assert torch.save is real_save
-    fresh, fresh_optimizer = _trained(seed=123, steps=0)
+    fresh, fresh_optimizer = trained_tinygpt(seed=123, steps=0)
     assert flatshard.load_checkpoint(url, fresh, fresh_optimizer) == {"step": 1}
 
 
 def test_an_incomplete_sharded_directory_on_s3_is_refused(s3_url: str, local_cwd: Path) -> None:
     url = f"{s3_url}/interrupted.ckpt"
-    model, optimizer = _trained()
+    model, optimizer = trained_tinygpt()
     flatshard.save_checkpoint(url, model, optimizer, state_dict_type="sharded")
     fsspec.filesystem("s3").rm_file(f"{url}/.metadata")  # as a save that died before writing it leaves it
     assert not is_sharded_checkpoint(url)
@@ -225,7 +212,7 @@ def test_an_incomplete_sharded_directory_on_s3_is_refused(s3_url: str, local_cwd
 
 
 def test_a_missing_bucket_is_refused_and_not_created(s3_server: S3Server, local_cwd: Path) -> None:
-    model, optimizer = _trained(steps=0)
+    model, optimizer = trained_tinygpt(steps=0)
     for kind in ("full", "sharded"):
         with pytest.raises(CheckpointError) as info:
             flatshard.save_checkpoint(
@@ -242,7 +229,7 @@ def test_a_missing_bucket_is_refused_and_not_created(s3_server: S3Server, local_
 
 
 def test_a_missing_checkpoint_url_is_reported(s3_url: str, local_cwd: Path) -> None:
-    model, optimizer = _trained(steps=0)
+    model, optimizer = trained_tinygpt(steps=0)
     with pytest.raises(FileNotFoundError, match=f"Checkpoint {s3_url}/absent.ckpt does not exist"):
         flatshard.load_checkpoint(f"{s3_url}/absent.ckpt", model, optimizer)
 
@@ -258,7 +245,7 @@ def test_a_url_without_its_fsspec_backend_is_refused(local_cwd: Path) -> None:
     if not missing:
         pytest.skip("every fsspec backend is installed here")
     protocol = missing[0]
-    model, optimizer = _trained(steps=0)
+    model, optimizer = trained_tinygpt(steps=0)
     with pytest.raises(CheckpointError) as info:
         flatshard.save_checkpoint(f"{protocol}://bucket/run", model, optimizer, state_dict_type="sharded")
     message = str(info.value)
@@ -270,7 +257,7 @@ def test_a_url_without_its_fsspec_backend_is_refused(local_cwd: Path) -> None:
 
 
 def test_a_url_collapsed_by_pathlib_is_refused(local_cwd: Path) -> None:
-    model, optimizer = _trained(steps=0)
+    model, optimizer = trained_tinygpt(steps=0)
     for path in (Path("s3://bucket/run/last.ckpt"), "s3:/bucket/run/last.ckpt", local_cwd / "s3:" / "bucket"):
         with pytest.raises(CheckpointError, match="whose '//' was collapsed"):
             flatshard.save_checkpoint(path, model, optimizer, state_dict_type="sharded")
