@@ -139,12 +139,14 @@ def local_numel(model: torch.nn.Module) -> int:
 # The contenders of step_time.py (memory.py builds its peers the same way)
 # ----------------------------------------------------------------------------------------------------------
 
-FLATSHARD_CONTENDERS = ("flatshard", "flatshard_grad_op", "flatshard_compiled")
+FLATSHARD_CONTENDERS = ("flatshard", "flatshard_grad_op", "flatshard_compiled", "flatshard_root_resharded")
 CONTENDER_DESCRIPTIONS = {
     "flatshard": "flatshard.shard FULL_SHARD, auto_wrap_policy={Block}",
     "flatshard_grad_op": "flatshard.shard SHARD_GRAD_OP, auto_wrap_policy={Block}",
     "flatshard_compiled": "flatshard.shard FULL_SHARD, auto_wrap_policy={Block}, each Block compiled in place"
     " (compile_units: torch.compile, the config's compile_kwargs)",
+    "flatshard_root_resharded": "flatshard.shard FULL_SHARD, auto_wrap_policy={Block}, "
+    "reshard_root_after_forward=True (the root resharded after forward, as the fsdp2 contender's)",
     "fsdp1": "torch FSDP1 FULL_SHARD, ModuleWrapPolicy({Block}), use_orig_params=True",
     "fsdp1_grad_op": "torch FSDP1 SHARD_GRAD_OP, ModuleWrapPolicy({Block}), use_orig_params=True",
     "fsdp2": "torch FSDP2 fully_shard per Block then root (reshard_after_forward=True)",
@@ -172,6 +174,7 @@ def _wrap_flatshard(
         "forward_prefetch": fwd in ("on", "auto"),
         "backward_prefetch": {"auto": "BACKWARD_PRE", "none": None}.get(bwd, bwd),
     }
+    extra = {"reshard_root_after_forward": True} if cfg.get("contender") == "flatshard_root_resharded" else {}
     defaults: dict[str, Any] = {"mixed_precision": None, "forward_prefetch": False, "backward_prefetch": None}
     droppable = []
     if cfg["precision"] == "bf16-mixed":
@@ -198,6 +201,7 @@ def _wrap_flatshard(
                 limit_all_gathers=True,
                 device=device,
                 **opts,
+                **extra,
             )
             break
         except NotImplementedError as err:
@@ -215,6 +219,7 @@ def _wrap_flatshard(
         "forward_prefetch": opts["forward_prefetch"],
         "mixed_precision": None if opts["mixed_precision"] is None else repr(opts["mixed_precision"]),
         "limit_all_gathers": True,
+        **extra,
         "requested": {"backward_prefetch": bwd, "forward_prefetch": fwd, "precision": cfg["precision"]},
         "fallbacks": fallbacks,
     }
@@ -230,7 +235,7 @@ def wrap_contender(
     mixed = cfg["precision"] == "bf16-mixed"
     if name in FLATSHARD_CONTENDERS:
         strategy = "SHARD_GRAD_OP" if name == "flatshard_grad_op" else "FULL_SHARD"
-        model = _wrap_flatshard(model, cfg, device, strategy, info)
+        model = _wrap_flatshard(model, {**cfg, "contender": name}, device, strategy, info)
         if name == "flatshard_compiled":  # what FlatShardStrategy(compile=...) does after sharding
             from flatshard.engine import compile_units
 
@@ -296,7 +301,7 @@ def wrap_contender(
         from torch.nn.parallel import DistributedDataParallel
 
         if device.type == "cuda":
-            return DistributedDataParallel(model.to(device), device_ids=[rank])
+            return DistributedDataParallel(model.to(device), device_ids=[device.index])
         return DistributedDataParallel(model)
     raise ValueError(f"unknown contender {name!r}")
 
@@ -318,7 +323,10 @@ def spawn_ranks(
 
 def barrier(device: torch.device) -> None:
     if device.type == "cuda":
-        dist.barrier(device_ids=[device.index])
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[device.index])
+        else:  # gloo: ranks may share a GPU, and device_ids is an NCCL notion
+            dist.barrier()
         torch.cuda.synchronize(device)
     else:
         dist.barrier()

@@ -15,7 +15,12 @@ time budget (``--budget-s``, default 570 s, so the whole check ends within 10 mi
 3. ``pytest_gpu``: ``python -m pytest -m gpu tests/gpu`` (NCCL tests need a GPU per rank; the others run two
    ranks on GPU 0 over gloo when there is only one GPU).
 4. ``step_time``: ``step_time.py --preset cuda-1b`` against FSDP1, FSDP2 and DDP, one rank per GPU. With one
-   GPU that is a single-rank comparison (compute and memory overheads, no communication), recorded as such.
+   GPU that is a single-rank comparison (compute and memory overheads, no communication), recorded as such;
+   with tokens/s, MFU (torchtitan's FLOPs-per-token formula against the card's dense bf16 peak) and the
+   allocator's peak per phase of one extra step.
+5. ``step_time_gloo``: the same contenders as two processes on GPU 0 over gloo (a smaller GPT: gloo moves
+   CUDA tensors through host memory), so the streams, events and limiter run with real communication on a
+   single GPU. A peer that cannot run over gloo with CUDA tensors is recorded as failed, as a warning.
 
 The summary, ``OUT_DIR/gpu_check.json``, has each part's status (``passed`` / ``failed`` / ``skipped`` with a
 reason), duration and numbers, plus the versions (Python, torch, CUDA, cuDNN, NCCL, driver, GPUs, Lightning,
@@ -49,10 +54,13 @@ from typing import Any
 import torch
 from common import REPO, git_commit, utc_now, write_json
 
-PARTS = ("parity", "sanitizer", "pytest_gpu", "step_time")
+PARTS = ("parity", "sanitizer", "pytest_gpu", "step_time", "step_time_gloo")
 # The longest each part may take (seconds), and the least time worth starting it with.
-CAPS = {"parity": 180, "sanitizer": 240, "pytest_gpu": 330, "step_time": 300}
-MIN_START = {"parity": 30, "sanitizer": 30, "pytest_gpu": 60, "step_time": 90}
+CAPS = {"parity": 180, "sanitizer": 240, "pytest_gpu": 330, "step_time": 300, "step_time_gloo": 200}
+MIN_START = {"parity": 30, "sanitizer": 30, "pytest_gpu": 60, "step_time": 90, "step_time_gloo": 60}
+# step_time_gloo: two processes on GPU 0 over gloo (the stream protocol with real communication on one GPU),
+# a smaller GPT than cuda-1b since gloo moves CUDA tensors through host memory.
+GLOO_MODEL = ["--d-model", "1024", "--n-layer", "8", "--world-size", "2", "--backend", "gloo"]
 RACE_MARK = "CSAN detected a possible data race"
 
 
@@ -295,42 +303,51 @@ def part_pytest(out: Path, timeout: float) -> dict[str, Any]:
     return {**run, "status": "passed", "reason": None}
 
 
-def part_step_time(out: Path, timeout: float, args: argparse.Namespace) -> dict[str, Any]:
+def part_step_time(out: Path, timeout: float, args: argparse.Namespace, gloo: bool = False) -> dict[str, Any]:
+    """``step_time.py --preset cuda-1b``: one rank per GPU over NCCL, or (``gloo``) two ranks on GPU 0."""
+    name = "step_time_gloo" if gloo else "step_time"
     gpus = torch.cuda.device_count()
-    log = out / "step_time.log"
-    result = out / "step_time_cuda-1b.json"
+    log = out / f"{name}.log"
+    result = out / ("step_time_gloo_2ranks_1gpu.json" if gloo else "step_time_cuda-1b.json")
     per_contender = max(60, int(timeout / max(1, len(args.bench_contenders.split(",")))))
     cmd = [sys.executable, str(REPO / "benchmarks" / "step_time.py"), "--preset", "cuda-1b"]
+    cmd += GLOO_MODEL if gloo else []
     cmd += ["--steps", str(args.bench_steps), "--warmup", str(args.bench_warmup)]
     cmd += ["--contenders", args.bench_contenders, "--out", str(result), "--timeout", str(per_contender)]
     run = run_logged(cmd, log, timeout)
     report = _read_json(result)
-    scope = (
-        f"{gpus} ranks, one per GPU, NCCL"
-        if gpus > 1
-        else "1 GPU: every contender runs on a single rank, so this compares compute and memory overheads; "
-        "nothing is communicated"
-    )
-    details: dict[str, Any] = {"result": result.name, "world_size": gpus, "scope": scope}
+    if gloo:
+        scope = "2 ranks on GPU 0 over gloo (d_model 1024, 8 layers): real communication through host memory"
+    elif gpus > 1:
+        scope = f"{gpus} ranks, one per GPU, NCCL"
+    else:
+        scope = (
+            "1 GPU: every contender runs on a single rank, so this compares compute and memory overheads; "
+            "nothing is communicated"
+        )
+    details: dict[str, Any] = {"result": result.name, "world_size": 2 if gloo else gpus, "scope": scope}
     if report:
         details["contenders"] = {
-            name: {
+            contender: {
                 "status": r.get("status"),
                 "median_step_s": r.get("median_step_s"),
+                "tokens_per_s": r.get("tokens_per_s"),
+                "mfu": r.get("mfu"),
                 "cuda_max_allocated_mib_per_rank": r.get("cuda_max_allocated_mib_per_rank"),
+                "cuda_phase_peaks_mib_per_rank": r.get("cuda_phase_peaks_mib_per_rank"),
                 "final_loss": r.get("final_loss"),
                 "precision_used": r.get("precision_used"),
                 **({"error": str(r.get("error", ""))[-600:]} if r.get("status") != "ok" else {}),
             }
-            for name, r in report.get("results", {}).items()
+            for contender, r in report.get("results", {}).items()
         }
         details["ratios"] = report.get("ratios")
         details["loss_check"] = report.get("loss_check")
         details["notes"] = report.get("notes")
         details["table"] = report.get("table")
     run["details"] = details
-    if run["timed_out"] and timeout < CAPS["step_time"]:  # cut short by the budget, not by its own cap
-        reason = f"time budget: stopped after {timeout:.0f} s, less than its {CAPS['step_time']} s cap"
+    if run["timed_out"] and timeout < CAPS[name]:  # cut short by the budget, not by its own cap
+        reason = f"time budget: stopped after {timeout:.0f} s, less than its {CAPS[name]} s cap"
         return {**run, "status": "skipped", "reason": reason, "log_tail": log_tail(log)}
     if run["timed_out"]:
         return _failed(run, f"timed out after {timeout:.0f} s", log)
@@ -372,12 +389,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def print_summary(summary: dict[str, Any]) -> None:
     print()
     for name, part in summary["parts"].items():
-        line = f"  {name:<11} {part['status']:<8} {part.get('duration_s', 0.0):>6.1f} s"
+        line = f"  {name:<14} {part['status']:<8} {part.get('duration_s', 0.0):>6.1f} s"
         if part.get("reason"):
             line += f"  {part['reason']}"
         print(line)
         for warning in part.get("warnings", []):
-            print(f"  {'':<11} warning: {warning}")
+            print(f"  {'':<14} warning: {warning}")
     print(f"\n{summary['status']}: {summary['out']}")
 
 
@@ -438,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
             elif name == "pytest_gpu":
                 result = part_pytest(out, timeout)
             else:
-                result = part_step_time(out, timeout, args)
+                result = part_step_time(out, timeout, args, gloo=name == "step_time_gloo")
             print(f"[{name}] {result['status']} {result.get('reason') or ''}".rstrip(), flush=True)
         summary["parts"][name] = result
         write_json(out / "gpu_check.json", summary, default=str)  # partial results survive a kill

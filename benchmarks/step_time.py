@@ -69,6 +69,7 @@ ALL_CONTENDERS = (
     "fsdp1_grad_op",
     "fsdp2_grad_op",
     "flatshard_compiled",
+    "flatshard_root_resharded",
 )
 DEFAULT_CONTENDERS = ("flatshard", "fsdp1", "fsdp2", "ddp", "flatshard_grad_op")
 
@@ -83,8 +84,9 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
     torch.set_num_threads(cfg["threads"])
     device = torch.device("cpu")
     if cfg["device"] == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
+        # One GPU per rank under NCCL; under --backend gloo ranks may share GPUs (rank modulo the count).
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     info: dict[str, Any] = {"rank": rank, "precision_used": cfg["precision"]}
     t_setup = time.perf_counter()
 
@@ -152,6 +154,7 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
         info["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated(device) / MIB
         info["cuda_max_reserved_mib"] = torch.cuda.max_memory_reserved(device) / MIB
         info["cuda_num_alloc_retries"] = int(stats.get("num_alloc_retries", 0))
+        info["cuda_phase_peaks_mib"] = _phase_peaks(model, optimizer, autocast, batches[-1], vocab, device)
 
     # Global mean loss per step (outside the timed region).
     local = torch.stack(losses).float()
@@ -160,6 +163,40 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
     info["step_times_s"] = times
     info["warmup_step_times_s"] = warmup_times
     return info
+
+
+def _phase_peaks(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    autocast: Any,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    vocab: int,
+    device: torch.device,
+) -> dict[str, float]:
+    """One more (untimed) step, after the measurements, with the allocator's peak read per phase: where a
+    difference in peak memory between contenders comes from."""
+    idx, tgt = batch
+    out: dict[str, float] = {"before_step": torch.cuda.memory_allocated(device) / MIB}
+
+    def phase(name: str, fn: Any) -> Any:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        out[name] = torch.cuda.max_memory_allocated(device) / MIB
+        out[name + "_end"] = torch.cuda.memory_allocated(device) / MIB
+        return result
+
+    def forward() -> torch.Tensor:
+        with autocast():
+            return F.cross_entropy(model(idx).float().view(-1, vocab), tgt.view(-1))
+
+    loss = phase("forward", forward)
+    phase("backward", loss.backward)
+    del loss
+    phase("optimizer_step", optimizer.step)
+    phase("zero_grad", lambda: optimizer.zero_grad(set_to_none=True))
+    return {k: round(v, 1) for k, v in out.items()}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -208,9 +245,52 @@ def summarize(name: str, runs: list[list[dict[str, Any]]], cfg: dict[str, Any], 
         if key in last[0]:
             res[key] = last[0][key]
     if cfg["device"] == "cuda":
-        for key in ("cuda_max_allocated_mib", "cuda_max_reserved_mib", "cuda_num_alloc_retries"):
-            res[key + "_per_rank"] = [r[key] for r in last]
+        for key in (
+            "cuda_max_allocated_mib",
+            "cuda_max_reserved_mib",
+            "cuda_num_alloc_retries",
+            "cuda_allocated_after_setup_mib",
+            "cuda_phase_peaks_mib",
+        ):
+            res[key + "_per_rank"] = [r.get(key) for r in last]
+        res.update(model_flops_utilization(res["tokens_per_s"], res["num_params"], cfg, world_size))
     return res
+
+
+def model_flops_utilization(
+    tokens_per_s: float | None, num_params: int, cfg: dict[str, Any], world_size: int
+) -> dict[str, Any]:
+    """MFU by torchtitan's formula: ``6 * N + 12 * n_layer * d_model * seq_len`` FLOPs per token, with ``N``
+    the parameters that take part in matrix products: ``num_params`` (the tied token embedding counted once,
+    as the output head) less the position embedding (``seq_len * d_model``, a lookup). Against the card's
+    dense bf16 peak, per GPU in use (ranks sharing a GPU under gloo count it once)."""
+    d, n_layer, seq = cfg["d_model"], cfg["n_layer"], cfg["seq_len"]
+    numel = num_params - seq * d
+    flop_per_token = 6 * numel + 12 * n_layer * d * seq
+    gpus = min(world_size, torch.cuda.device_count()) if torch.cuda.is_available() else 0
+    peak = peak_bf16_flops(torch.cuda.get_device_name(0)) if gpus else None
+    out: dict[str, Any] = {"flop_per_token": flop_per_token, "peak_bf16_flops_per_gpu": peak}
+    if peak and tokens_per_s:
+        out["mfu"] = tokens_per_s * flop_per_token / (peak * gpus)
+    return out
+
+
+def peak_bf16_flops(name: str) -> float | None:
+    """Dense bf16 tensor-core peak of a GPU by name (torchtitan's table for the cards it knows)."""
+    table = (
+        ("A100", 312e12),
+        ("H100 NVL", 835e12),
+        ("H100 PCIe", 756e12),
+        ("H100", 989e12),  # SXM
+        ("H200", 989e12),
+        ("H20", 148e12),
+        ("B200", 2.25e15),
+        ("L40S", 362e12),
+    )
+    for key, peak in table:
+        if key in name:
+            return peak
+    return None
 
 
 def compute_ratios(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -259,8 +339,9 @@ def format_table(results: dict[str, dict[str, Any]], ratios: dict[str, dict[str,
         "train ΔRSS MiB/rank",
     ]
     if cuda:
-        headers += ["max alloc MiB/rank", "alloc retries"]
-    headers += ["final loss", "flatshard/this time", "flatshard/this mem"]
+        headers += ["max alloc MiB/rank", "alloc retries", "MFU"]
+    mem_key = "cuda_max_allocated_ratio" if cuda else "peak_rss_ratio"
+    headers += ["final loss", "flatshard/this time", "flatshard/this " + ("max alloc" if cuda else "RSS")]
     rows = []
     for name, r in results.items():
         if r.get("status") != "ok":
@@ -281,12 +362,13 @@ def format_table(results: dict[str, dict[str, Any]], ratios: dict[str, dict[str,
             row += [
                 " / ".join(fmt(x, ".0f") for x in r["cuda_max_allocated_mib_per_rank"]),
                 " / ".join(str(x) for x in r["cuda_num_alloc_retries_per_rank"]),
+                fmt(r.get("mfu"), ".1%"),
             ]
         rat = ratios.get(f"{ref}/{name}") if ref else None
         row += [
             fmt(r["final_loss"], ".5f"),
-            "1 (ref)" if name == ref else fmt(rat and rat["step_time_ratio"], ".2f"),
-            "1 (ref)" if name == ref else fmt(rat and rat["peak_rss_ratio"], ".2f"),
+            "1 (ref)" if name == ref else fmt(rat and rat["step_time_ratio"], ".3f"),
+            "1 (ref)" if name == ref else fmt(rat and rat.get(mem_key), ".3f"),
         ]
         rows.append(row)
     return markdown_table(headers, rows)
@@ -386,6 +468,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="ranks (default: 2 on CPU; on CUDA every visible GPU, one rank each; with 1 GPU the\n"
         "sharded contenders have nothing to communicate, which measures their compute and memory overheads)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=["auto", "gloo", "nccl"],
+        default="auto",
+        help="auto: NCCL on CUDA (one GPU per rank), gloo on CPU. gloo on CUDA lets ranks share GPUs\n"
+        "(rank modulo the GPU count): two processes on one GPU exercise the stream protocol",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
@@ -488,12 +577,17 @@ def main(argv: list[str] | None = None) -> int:
         cuda = cfg["device"] == "cuda" and torch.cuda.is_available()
         cfg["world_size"] = torch.cuda.device_count() if cuda else 2
     ws = cfg["world_size"]
-    backend = "gloo"
+    backend = args.backend if args.backend != "auto" else ("nccl" if cfg["device"] == "cuda" else "gloo")
+    if backend == "nccl" and cfg["device"] != "cuda":
+        raise SystemExit("--backend nccl needs --device cuda")
+    cfg["backend"] = backend
     if cfg["device"] == "cuda":
-        backend = "nccl"
-        if not torch.cuda.is_available() or torch.cuda.device_count() < ws:
-            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            raise SystemExit(f"--device cuda needs {ws} GPUs (one per rank); found {n}")
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0 or (backend == "nccl" and n < ws):
+            raise SystemExit(
+                f"--device cuda with {backend} needs {ws if backend == 'nccl' else 1} GPU(s); found {n}. "
+                "HINT: --backend gloo runs several ranks on one GPU"
+            )
     if args.malloc_mmap_threshold is not None:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)  # inherited by the ranks
     out = args.out or default_out(f"step_time_{args.preset}.json")

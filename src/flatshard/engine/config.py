@@ -302,6 +302,20 @@ def _check_bool(name: str, value: object) -> bool:
     return value
 
 
+def _check_reshard_root(value: object, strategy: object) -> bool:
+    flag = _check_bool("reshard_root_after_forward", value)
+    try:
+        strategy = normalize_sharding_strategy(strategy)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return flag  # the strategy's own error is reported
+    if flag and strategy is ShardingStrategy.NO_SHARD:
+        raise ValueError(
+            "reshard_root_after_forward=True has nothing to free under NO_SHARD: parameters are never gathered. "
+            "HINT: drop it, or use FULL_SHARD / SHARD_GRAD_OP."
+        )
+    return flag
+
+
 def _check_param_init_fn(value: object) -> Callable[[nn.Module], None] | None:
     if value is not None and not callable(value):
         raise TypeError(f"param_init_fn must be a callable taking a module, got {type(value).__name__}.")
@@ -378,6 +392,13 @@ class ShardOptions:
             (after it, less memory) or ``None``.
         forward_prefetch: issue the next unit's all-gather before the current unit's forward compute.
             Default: ``False``.
+        reshard_root_after_forward: free the root unit's gathered parameters when its training forward
+            returns and gather them again when backward reaches its outputs, as other units do under
+            FULL_SHARD (torch FSDP2's ``reshard_after_forward=True`` on the root). Saves the root's unsharded
+            size (often the embedding) while the loss and its gradient are computed outside the model, the
+            peak of many language models, for one more all-gather of the root per step. No effect where the
+            loss is computed inside the root's forward, as in a LightningModule's ``training_step`` under the
+            Trainer. Refused under NO_SHARD (nothing is gathered). Default: ``False``.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding. Default: ``False``.
         param_init_fn: for a module built on the meta device: called with each module that holds meta
             parameters, after their storage is allocated on ``device``; it must initialize them in place.
@@ -406,6 +427,7 @@ class ShardOptions:
     limit_all_gathers: bool = True
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
     forward_prefetch: bool = False
+    reshard_root_after_forward: bool = False
     sync_module_states: bool = False
     param_init_fn: Callable[[nn.Module], None] | None = None
     process_group: Any = None
@@ -426,6 +448,9 @@ class ShardOptions:
             "limit_all_gathers": errors.check(_check_bool, "limit_all_gathers", self.limit_all_gathers),
             "backward_prefetch": errors.check(normalize_backward_prefetch, self.backward_prefetch),
             "forward_prefetch": errors.check(_check_bool, "forward_prefetch", self.forward_prefetch),
+            "reshard_root_after_forward": errors.check(
+                _check_reshard_root, self.reshard_root_after_forward, self.sharding_strategy
+            ),
             "sync_module_states": errors.check(_check_bool, "sync_module_states", self.sync_module_states),
             "param_init_fn": errors.check(_check_param_init_fn, self.param_init_fn),
             "shard_group_size": errors.check(_check_shard_group_size, self.shard_group_size),

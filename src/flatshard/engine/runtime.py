@@ -6,7 +6,8 @@
 2. Post-forward: hooks are put on the outputs that require grad (they mark the start of the unit's
    backward). Non-root units reshard now under FULL_SHARD; under SHARD_GRAD_OP they stay gathered until
    their backward ends. The root stays gathered when a backward will follow (its parameters are needed
-   first thing), and reshards at once under ``no_grad`` / ``inference_mode``.
+   first thing), unless ``reshard_root_after_forward`` (then it is gathered again in step 3), and reshards
+   at once under ``no_grad`` / ``inference_mode``.
 3. Pre-backward (a hook on the unit's outputs fired): gather again if the unit was resharded; the first
    one of a backward pass queues the end-of-backward callback.
 4. Post-backward (the unit's gradients are complete; see [Note: gradients of a unit]): finish the
@@ -403,7 +404,10 @@ class UnitState:
         if torch.is_grad_enabled() and grad_outputs:
             for t in grad_outputs:
                 t.register_hook(self._pre_backward)
-            keep = self.is_root or not self.strategy.reshard_after_forward
+            if self.is_root:  # its parameters are needed first thing in backward, unless told otherwise
+                keep = not self.options.reshard_root_after_forward
+            else:
+                keep = not self.strategy.reshard_after_forward
         else:
             keep = False
         if not keep and call.keep_gathered and not self.is_root and self.handle is not None:

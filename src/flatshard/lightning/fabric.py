@@ -146,6 +146,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
         limit_all_gathers: bool = True,
         backward_prefetch: BackwardPrefetch | str | None = "BACKWARD_PRE",
         forward_prefetch: bool = False,
+        reshard_root_after_forward: bool = False,
         state_dict_type: Literal["full", "sharded"] = "full",
         sync_module_states: bool = False,
         param_init_fn: Callable[[Module], None] | None = None,

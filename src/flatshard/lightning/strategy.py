@@ -101,6 +101,9 @@ class FlatShardStrategy(ParallelStrategy):
         backward_prefetch: ``"BACKWARD_PRE"`` (default: gather the next unit before the current unit's
             gradient computation), ``"BACKWARD_POST"`` (after it: less memory) or ``None``.
         forward_prefetch: gather the next unit before the current unit's forward. Default: ``False``.
+        reshard_root_after_forward: free the root unit's gathered parameters after forward, gather them
+            again in backward; helps only where the loss is computed outside the root's forward (Fabric),
+            not in ``training_step``. Default: ``False``.
         state_dict_type: ``"full"``: one consolidated file from rank 0 (a plain Lightning checkpoint).
             ``"sharded"``: a directory where every rank writes its own pieces without gathering; it resumes on
             any number of devices and ``flatshard consolidate DIR OUT.ckpt`` turns it into a full file.
@@ -166,6 +169,7 @@ class FlatShardStrategy(ParallelStrategy):
         limit_all_gathers: bool = True,
         backward_prefetch: BackwardPrefetch | str | None = "BACKWARD_PRE",
         forward_prefetch: bool = False,
+        reshard_root_after_forward: bool = False,
         state_dict_type: Literal["full", "sharded"] = "full",
         sync_module_states: bool = False,
         param_init_fn: Callable[[Module], None] | None = None,
