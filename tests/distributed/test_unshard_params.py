@@ -49,11 +49,14 @@ def _check(rank: int, world: int, strategy: str) -> dict:
             for p in expected.parameters():
                 p.add_(1.0)
             out["forward_on_full"] = torch.allclose(model(make_batch(0, 2)[0]), expected(make_batch(0, 2)[0]))
-        try:
-            flatshard.get_state_dict(model)
-            out["state_refused"] = False
+        # saved state inside is the training state: the shards, not the changed full views
+        inside = _full_state(model)
+        out["state_is_the_shards"] = all(torch.allclose(v, ref.state_dict()[k]) for k, v in inside.items())
+        try:  # loading inside is refused: leaving the context would write the full views back over it
+            flatshard.set_state_dict(model, None, inside)
+            out["load_refused"] = False
         except RuntimeError as err:
-            out["state_refused"] = "unshard_params" in str(err)
+            out["load_refused"] = "unshard_params" in str(err)
     # writeback=False discarded the change; gradients are back on the shard views
     out["discarded"] = all(torch.allclose(v, ref.state_dict()[k]) for k, v in _full_state(model).items())
     out["grad_shapes_restored"] = all(p.grad is None or p.grad.shape == p.shape for p in model.parameters())

@@ -50,6 +50,7 @@ from flatshard.engine.state.sharded import (
     to_local_model_state,
     to_local_optim_state,
 )
+from flatshard.engine.state.stand_ins import saved_piece, stand_in
 from flatshard.engine.state.state_dict import get_state_dict, optimizer_list, set_state_dict
 from flatshard.engine.state.unshard_params import unshard_params
 from flatshard.engine.transport.comm import global_rank, uses_nccl
@@ -101,10 +102,12 @@ __all__ = [
     "regather_in_forward",
     "register_forward_method",
     "register_generate",
+    "saved_piece",
     "set_state_dict",
     "shard",
     "sharded_model_state_dict",
     "sharded_optim_state_dict",
+    "stand_in",
     "to_local_model_state",
     "to_local_optim_state",
     "unit_states",

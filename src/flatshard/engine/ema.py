@@ -9,10 +9,13 @@ EMA costs one fp32 copy of this rank's shard. Parameters flatshard does not mana
 averaged whole, on every rank alike.
 
 - **Evaluation on the EMA** (:meth:`ShardedEMA.swap`): the EMA and the live pieces trade places in place,
-  so forwards gather the EMA weights; swapping again restores the training weights exactly.
+  so forwards gather the EMA weights; swapping again restores the training weights exactly. While swapped in,
+  the shadow stands in for the live pieces in every saved model state (see [Note: stand-ins]): a checkpoint
+  taken during an evaluation on the EMA holds the training weights under the model's names.
 - **Full state** (:meth:`ShardedEMA.full_state_dict`, collective): the EMA weights, consolidated under the
   model's state-dict names (buffers at their current values), on rank 0 — loadable into the plain model.
-  It swaps the EMA in, gathers as ``get_state_dict`` does, and swaps back.
+  It gathers as ``get_state_dict`` does, with the EMA standing in for the parameters: nothing is swapped, so
+  it works wherever ``get_state_dict`` does (inside ``unshard_params`` too).
 - **Sharded state** (:meth:`ShardedEMA.sharded_state_dict`, no communication): this rank's EMA pieces as
   :class:`~flatshard.engine.ParamShard` views under the model's state-dict names, which a sharded checkpoint
   stores piece by piece; loading takes this rank's piece of each (:meth:`ShardedEMA.load_state`).
@@ -24,14 +27,16 @@ averaged whole, on every rank alike.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from flatshard.engine.shard import is_sharded
+from flatshard.engine.runtime import Summoned
+from flatshard.engine.shard import is_sharded, unit_states
 from flatshard.engine.state.sharded import ParamShard, param_shard
+from flatshard.engine.state.stand_ins import live_pieces, saved_piece, set_stand_ins, standing_in
 from flatshard.engine.state.state_dict import get_state_dict, set_state_dict
 
 __all__ = ["ShardedEMA", "check_decay"]
@@ -73,18 +78,28 @@ class ShardedEMA:
                 "holds the EMA weights, not the trained ones)."
             )
         weight = 1.0 - self.decay
-        for p, s in zip(self.params, self.shadow, strict=True):
-            s.lerp_(p.detach().to(s.dtype), weight)
+        for live, s in zip(live_pieces(self.params), self.shadow, strict=True):
+            s.lerp_(live.to(s.dtype), weight)
         self.num_updates += 1
 
     @torch.no_grad()
     def swap(self) -> None:
-        """Exchange the EMA and the live weights in place (call on every rank; again to undo)."""
-        for p, s in zip(self.params, self.shadow, strict=True):
-            kept = p.detach().clone()
-            p.detach().copy_(s)
+        """Exchange the EMA and the live weights in place (call on every rank; again to undo). While the EMA is
+        swapped in, saved model state holds the training weights (see [Note: stand-ins])."""
+        summoned = [s for s in unit_states(self.module) if s.summoned is not Summoned.NO]
+        if summoned:
+            raise RuntimeError(
+                f"ShardedEMA.swap() inside flatshard.unshard_params of {type(summoned[0].module).__name__}: the "
+                "full parameters there are a copy that the swap would not reach, and leaving the context would "
+                "write it back over the swapped pieces. HINT: swap before entering unshard_params (ema.swapped_in() "
+                "around it) or after leaving it."
+            )
+        for live, s in zip(live_pieces(self.params), self.shadow, strict=True):
+            kept = live.clone()
+            live.copy_(s)
             s.copy_(kept)
         self.swapped = not self.swapped
+        set_stand_ins(self.params, self.shadow if self.swapped else None)
 
     @contextmanager
     def swapped_in(self) -> Iterator[None]:
@@ -101,11 +116,18 @@ class ShardedEMA:
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, Any]:
         """The consolidated EMA under the model's state-dict names (collective; empty off rank 0 with
         ``rank0_only``). Values are in the parameters' dtype, on the CPU."""
-        with self.swapped_in():
+        with self._ema_standing_in():
             if not is_sharded(self.module):  # whole parameters (DDP, one device): nothing to gather
-                return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+                return {
+                    k: saved_piece(v).cpu().clone() if isinstance(v, torch.Tensor) else v
+                    for k, v in self.module.state_dict(keep_vars=True).items()
+                }
             state, _ = get_state_dict(self.module, rank0_only=rank0_only)
         return state
+
+    def _ema_standing_in(self) -> AbstractContextManager[None]:
+        """The EMA as saved state reads the parameters: the shadow, or (swapped in) the live pieces."""
+        return standing_in(self.params, None if self.swapped else self.shadow)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's EMA under the model's state-dict names, without communication: managed parameters as
@@ -118,12 +140,13 @@ class ShardedEMA:
             if not isinstance(value, torch.Tensor):
                 continue
             if id(value) not in made:
-                ema = value if self.swapped or id(value) not in shadow else shadow[id(value)]
-                shard = param_shard(value)
+                shard = param_shard(value)  # the live piece, also inside unshard_params
+                live = shard.local if shard is not None else value.detach()
+                ema = live if self.swapped or id(value) not in shadow else shadow[id(value)].detach()
                 if shard is not None:
-                    made[id(value)] = ParamShard(ema.detach().reshape(-1), shard.offset, shard.shape)
+                    made[id(value)] = ParamShard(ema.reshape(-1), shard.offset, shard.shape)
                 else:
-                    made[id(value)] = ema.detach()
+                    made[id(value)] = ema
             out[key] = made[id(value)]
         return out
 

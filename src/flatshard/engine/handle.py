@@ -332,6 +332,10 @@ class FlatParamHandle:
         piece = source[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
         return piece.view(self.layout.shapes[i]) if self.shard_world == 1 else piece
 
+    def piece(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s piece of the local shard: its data between steps, and also inside unshard_params."""
+        return self._shard_piece(self._sharded, i)
+
     def use_sharded_views(self) -> None:
         """Point every original Parameter at its piece of the local shard and put it back on its modules."""
         for i, p in enumerate(self.params):

@@ -26,6 +26,7 @@ from flatshard.engine.precision import (
 from flatshard.engine.process_groups import resolve_groups
 from flatshard.engine.runtime import STATE_ATTR, UnitState, get_unit_state
 from flatshard.engine.transport import comm, watchdog
+from flatshard.engine.transport.env import check_environment
 from flatshard.engine.wrap import plan_units, select_unit_modules
 
 __all__ = ["is_sharded", "no_sync", "shard", "unit_states"]
@@ -85,6 +86,7 @@ def shard(
             "shard inner modules first and the outer module last."
         )
     opts = _options(options, kwargs)
+    check_environment()  # a malformed FLATSHARD_* fails here, see [Note: environment switches]
     watchdog.configure(opts.desync_timeout)  # see [Note: finding a desync]
     watchdog.start()
     strategy, mp, param_init_fn = opts.sharding_strategy, opts.mixed_precision, opts.param_init_fn

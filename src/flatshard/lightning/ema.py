@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from flatshard.engine import ShardedEMA as _EngineEMA
-from flatshard.engine import check_decay
+from flatshard.engine import check_decay, is_sharded, saved_piece, stand_in
 
 __all__ = ["ShardedEMA"]
 
@@ -24,7 +25,9 @@ class ShardedEMA(Callback):
     - After every ``every_n_steps``-th optimizer step: ``ema = decay * ema + (1 - decay) * weights``.
     - ``swap_eval=True``: validation and test run on the EMA weights (swapped in place at the loop's start
       and back at its end, before ``ModelCheckpoint`` saves), so logged metrics are the EMA's. Predict
-      too with ``swap_predict=True``.
+      too with ``swap_predict=True``. A checkpoint saved while the EMA is swapped in (a callback saving in
+      ``on_validation_epoch_end``) still holds the training weights under ``state_dict``, and saving leaves
+      the swapped-in weights exactly as they were.
     - Checkpoints hold the EMA under the callback's state: ``checkpoint["callbacks"][<state key>]
       ["ema_state_dict"]``, the model's state-dict names mapped to tensors. A full file holds it consolidated,
       loadable into the plain model; a sharded directory (``FlatShardStrategy(state_dict_type="sharded")``)
@@ -142,17 +145,25 @@ class ShardedEMA(Callback):
         communication), else the consolidated EMA on rank 0 (collective)."""
         if self.ema is None:
             return dict(self._pending) if self._pending is not None else {}
-        if self._saves_sharded():
-            state = self.ema.sharded_state_dict()
-        elif self.ema.swapped:  # a save from inside an evaluation loop: the live weights are in the shadow
-            self.ema.swap()
-            try:
-                state = self.ema.full_state_dict()
-            finally:
-                self.ema.swap()
-        else:
-            state = self.ema.full_state_dict()
+        # Neither swaps: a save from inside an evaluation on the EMA leaves the live weights as they are.
+        state = self.ema.sharded_state_dict() if self._saves_sharded() else self.ema.full_state_dict()
         return {"decay": self.decay, "num_updates": self.ema.num_updates, "ema_state_dict": state}
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """A save while the EMA is swapped in keeps the training weights under ``state_dict``: flatshard's
+        state functions read them from the EMA's shadow already (see [Note: stand-ins]); strategies that read
+        ``pl_module.state_dict()`` (DDP, one device) got the EMA, which is replaced here."""
+        if self.ema is None or not self.ema.swapped or is_sharded(pl_module):
+            return
+        saved = checkpoint.get("state_dict")
+        if not isinstance(saved, dict):
+            return
+        for key, value in pl_module.state_dict(keep_vars=True).items():
+            if key in saved and isinstance(value, torch.Tensor) and stand_in(value) is not None:
+                saved[key] = saved_piece(value).to(saved[key].device, copy=True)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

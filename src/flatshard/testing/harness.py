@@ -37,9 +37,18 @@ _PRELOAD = ["torch", "torch.distributed", "flatshard"]
 
 
 def _context(method: str | None) -> Any:
-    method = method or os.environ.get("FLATSHARD_TEST_START_METHOD", "spawn")
+    if method is None:
+        method = os.environ.get("FLATSHARD_TEST_START_METHOD", "spawn")
+        if method not in ("spawn", "forkserver"):
+            raise ValueError(
+                f"environment variable FLATSHARD_TEST_START_METHOD={method!r} is not a start method: it accepts "
+                "'spawn' (the default) or 'forkserver'. HINT: set FLATSHARD_TEST_START_METHOD=forkserver, or "
+                "unset it."
+            )
     if method not in ("spawn", "forkserver"):
-        raise ValueError(f"start method {method!r}: use 'spawn' or 'forkserver'.")
+        raise ValueError(
+            f"spawn(start_method={method!r}) is not a start method. HINT: use 'spawn' or 'forkserver'."
+        )
     if method not in mp.get_all_start_methods():  # no forkserver on Windows
         method = "spawn"
     ctx = mp.get_context(method)

@@ -6,6 +6,7 @@
 - ``full_optim``: the full optimizer state in the plain optimizer's format, both ways.
 - ``optim_binding``: pointing optimizers at sharded parameters (by name), shapes for ``configure_optimizers``.
 - ``sharded``: each rank's pieces (:class:`ParamShard`) for sharded checkpoints, and loading them back.
+- ``stand_ins``: where saved state reads a parameter (its shard's piece, or the EMA's shadow while swapped in).
 - ``stream_gather``: the chunked gather to rank 0 behind every full state dict.
 - ``unshard_params``: the context manager that shows full parameters (all ranks or rank 0 alone).
 """

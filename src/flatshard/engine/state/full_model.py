@@ -17,6 +17,7 @@ from flatshard.engine.handle import FlatParamHandle, handle_of_param
 from flatshard.engine.precision import original_buffer_dtypes
 from flatshard.engine.runtime import Summoned, TrainingState, UnitState
 from flatshard.engine.shard import unit_states
+from flatshard.engine.state.stand_ins import saved_piece, saved_value, stand_in
 from flatshard.engine.state.stream_gather import GatherItem, gather_items
 from flatshard.engine.transport import comm
 
@@ -36,15 +37,19 @@ def parameter_names(module: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in module.named_parameters(remove_duplicate=True)}
 
 
-def prepare_for_state_io(module: nn.Module, what: str) -> list[UnitState]:
-    """Reshard every unit (so modules hold their original Parameters); refuse inside forward/backward."""
+def prepare_for_state_io(module: nn.Module, what: str, reading: bool = False) -> list[UnitState]:
+    """Reshard every unit (so modules hold their original Parameters); refuse inside forward/backward.
+
+    ``reading``: the caller only reads state from the shards (:func:`~flatshard.engine.state.stand_ins.live_piece`),
+    which is allowed inside ``unshard_params`` too; units there are left as they are.
+    """
     states = unit_states(module)
     if not states:
         raise ValueError(
             f"{what}: {type(module).__name__} is not sharded. HINT: call flatshard.shard() first."
         )
     for s in states:
-        if s.summoned is not Summoned.NO:
+        if s.summoned is not Summoned.NO and not reading:
             raise RuntimeError(
                 f"{what} was called inside flatshard.unshard_params of {type(s.module).__name__}. HINT: call it "
                 "after leaving the unshard_params context."
@@ -55,7 +60,7 @@ def prepare_for_state_io(module: nn.Module, what: str) -> list[UnitState]:
                 f"(state {s.training_state.value}). HINT: call it between training steps."
             )
     for s in states:
-        if s.handle is not None:
+        if s.handle is not None and s.summoned is Summoned.NO:
             s.handle.reshard()
     return states
 
@@ -96,7 +101,7 @@ def plan_full_model_state_dict(
     Split so that a caller gathering model and optimizer state moves everything in one
     :func:`~flatshard.engine.state.stream_gather.gather_items` call.
     """
-    states = prepare_for_state_io(module, "get_state_dict")
+    states = prepare_for_state_io(module, "get_state_dict", reading=True)
     handles = [s.handle for s in states if s.handle is not None]
     items = [
         GatherItem(
@@ -105,7 +110,7 @@ def plan_full_model_state_dict(
             layout=h.layout,
             dtype=h.dtype,
             wanted=list(range(len(h.params))),
-            pieces=[(0, h.sharded.detach())],
+            pieces=_saved_pieces(h),
             out_device=torch.device("cpu") if cpu_offload else h.sharded.device,
         )
         for h in handles
@@ -124,12 +129,24 @@ def plan_full_model_state_dict(
             if id(value) in gathered:
                 out[key] = gathered[id(value)]
             elif isinstance(value, torch.Tensor):
-                out[key] = copy_out(value, cpu_offload).to(restore.get(key, value.dtype))
+                out[key] = copy_out(saved_piece(value), cpu_offload).to(restore.get(key, value.dtype))
             else:
                 out[key] = value
         return out
 
     return items, assemble
+
+
+def _saved_pieces(h: FlatParamHandle) -> list[tuple[int, torch.Tensor]]:
+    """This rank's shard of ``h`` as the state functions read it: the shard itself, or, where parameters have
+    stand-ins (see [Note: stand-ins]), each parameter's piece at its offset (padding arrives as zeros)."""
+    if all(stand_in(p) is None for p in h.params):
+        return [(0, h.sharded.detach())]
+    return [
+        (info.offset_in_shard, saved_value(p, h.piece(i)).reshape(-1))
+        for i, (p, info) in enumerate(zip(h.params, h.shard_infos, strict=True))
+        if info.numel_in_shard
+    ]
 
 
 def _expected_shapes(module: nn.Module) -> dict[str, tuple[torch.Size, FlatParamHandle | None, int]]:

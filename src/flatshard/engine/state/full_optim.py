@@ -60,19 +60,23 @@ def plan_full_optim_state_dict(
     cpu_offload: bool,
 ) -> tuple[list[GatherItem], Callable[[list[dict[int, torch.Tensor]]], dict[str, Any]]]:
     """Agree on the state's metadata (all ranks); return what to gather and how to build the state."""
-    prepare_for_state_io(module, "get_state_dict")
+    prepare_for_state_io(module, "get_state_dict", reading=True)
     params = optimizer_params(optimizer)
     located = locate_params(params)
     local = optimizer.state_dict()
     # Metadata of sharded tensors: (idx, key) -> dtype, union over ranks (one object collective).
     meta: dict[tuple[int, str], torch.dtype] = {}
-    for idx, (handle, _) in enumerate(located):
+    for idx, (handle, i) in enumerate(located):
         for key, value in local["state"].get(idx, {}).items():
             if _is_sharded_state(handle, value):
-                if value.shape != params[idx].shape:
+                assert (
+                    handle is not None
+                )  # the piece: the parameter's data between steps (not inside unshard_params)
+                piece = handle.piece(i)
+                if value.shape != piece.shape:
                     raise ValueError(
                         f"Optimizer {type(optimizer).__name__} keeps state {key!r} of shape {tuple(value.shape)} "
-                        f"for a parameter piece of shape {tuple(params[idx].shape)}; only elementwise optimizer "
+                        f"for a parameter piece of shape {tuple(piece.shape)}; only elementwise optimizer "
                         "state can be consolidated. HINT: use an elementwise optimizer (Adam, AdamW, SGD...)."
                     )
                 meta[(idx, key)] = value.dtype

@@ -25,6 +25,7 @@ from flatshard.engine.handle import handle_of_param
 from flatshard.engine.precision import original_buffer_dtypes
 from flatshard.engine.state.full_model import parameter_names, prepare_for_state_io
 from flatshard.engine.state.full_optim import optimizer_params
+from flatshard.engine.state.stand_ins import live_piece, saved_piece, saved_value
 
 __all__ = [
     "ParamShard",
@@ -77,7 +78,7 @@ def param_shard(param: torch.Tensor) -> ParamShard | None:
         return None
     i = handle.index_of(param)
     return ParamShard(
-        param.detach().reshape(-1), handle.shard_infos[i].offset_in_param, handle.layout.shapes[i]
+        handle.piece(i).detach().reshape(-1), handle.shard_infos[i].offset_in_param, handle.layout.shapes[i]
     )
 
 
@@ -87,16 +88,20 @@ def sharded_model_state_dict(module: nn.Module) -> dict[str, Any]:
     A parameter reachable under several names (tied weights) is the *same* ``ParamShard`` object under
     each, so writers can store it once. Buffers and unmanaged parameters are detached tensors.
     """
-    prepare_for_state_io(module, "get_state_dict")
+    prepare_for_state_io(module, "get_state_dict", reading=True)
     out: dict[str, Any] = {}
     shards: dict[int, ParamShard] = {}
     restore = original_buffer_dtypes(module)
     for key, value in module.state_dict(keep_vars=True).items():
         shard = param_shard(value) if isinstance(value, torch.Tensor) else None
         if shard is not None:
-            out[key] = shards.setdefault(id(value), shard)
+            if id(value) not in shards:  # the live piece, or what stands in for it (see [Note: stand-ins])
+                shards[id(value)] = ParamShard(
+                    saved_value(value, shard.local).reshape(-1), shard.offset, shard.shape
+                )
+            out[key] = shards[id(value)]
         elif isinstance(value, torch.Tensor):
-            out[key] = value.detach().to(restore.get(key, value.dtype))
+            out[key] = saved_piece(value).to(restore.get(key, value.dtype))
         else:
             out[key] = value
     return out
@@ -120,7 +125,7 @@ def _optimizer_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> lis
 
 def sharded_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """This rank's optimizer state, keyed by parameter name (see [Note: sharded state]); no copies."""
-    prepare_for_state_io(module, "get_state_dict")
+    prepare_for_state_io(module, "get_state_dict", reading=True)
     params = optimizer_params(optimizer)
     names = _optimizer_names(module, optimizer)
     local = optimizer.state_dict()
@@ -128,13 +133,14 @@ def sharded_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer
     for idx, entries in local["state"].items():
         p, name = params[idx], names[idx]
         shard = param_shard(p)
+        piece = live_piece(p)  # the parameter's data between steps (inside unshard_params it is full)
         converted: dict[str, Any] = {}
         for key, value in entries.items():
             if shard is not None and isinstance(value, torch.Tensor) and value.dim() > 0:
-                if value.shape != p.shape:
+                if value.shape != piece.shape:
                     raise ValueError(
                         f"{type(optimizer).__name__} keeps state {key!r} of shape {tuple(value.shape)} for "
-                        f"{name!r}, whose local piece has shape {tuple(p.shape)}; only elementwise optimizer "
+                        f"{name!r}, whose local piece has shape {tuple(piece.shape)}; only elementwise optimizer "
                         "state can be sharded. HINT: use an elementwise optimizer (Adam, AdamW, SGD...)."
                     )
                 converted[key] = ParamShard(value.detach().reshape(-1), shard.offset, shard.shape)

@@ -15,20 +15,19 @@ describe what they need as :class:`GatherItem` s (one per unit and per optimizer
   Chunks are copied straight into the outputs, piece by piece: no gathered flat copy, no second copy
   to CPU.
 * **The cheapest transport that is correct.** Ranks of one host exchanging CPU tensors use shared
-  memory: each sending rank owns a two-slot segment in ``/dev/shm``; for chunk ``k`` it fills slot
+  memory: each sending rank owns a two-slot shared-memory segment; for chunk ``k`` it fills slot
   ``k % 2``, all ranks pass one barrier, and the keepers copy straight out of the slot while the senders
   fill the other slot. A sender reuses a slot only after the next barrier, which no keeper enters
   before it finished reading that slot. A rank that only keeps (rank 0 of a ``rank0_only`` gather)
   writes no slot, so its segment is never reserved (``reserve_if`` of
   :func:`~flatshard.engine.transport.shm.exchange_segments`) and costs no memory. Each byte is copied
   once on each side, where a gloo collective over loopback TCP moves it several times. Anything else
-  (several hosts, CUDA tensors, no usable ``/dev/shm``, ``FLATSHARD_SHM=0``) uses collectives per chunk:
+  (several hosts, CUDA tensors, no anonymous shared memory, ``FLATSHARD_SHM=0``) uses collectives per chunk:
   ``gather`` to the one keeping rank on gloo, ``all_gather`` otherwise.
 
 The transport is agreed on by all ranks of the group in one object collective when the stream opens,
-so a rank that cannot map a peer's segment makes every rank fall back, never hang. Segments are
-unlinked as soon as every peer has mapped them; a name left by a process killed before that is removed by
-the next setup on the host (:func:`~flatshard.engine.transport.shm.remove_stale_segments`).
+so a rank that cannot map a peer's segment makes every rank fall back, never hang. Segments have no name in
+``/dev/shm``: a rank killed at any moment leaves nothing there (see [Note: segments without names]).
 """
 
 from __future__ import annotations

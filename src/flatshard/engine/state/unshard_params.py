@@ -7,8 +7,10 @@ flat parameter (a fresh buffer, so nothing a collective or the optimizer owns is
 each unit's shard group held the full parameters, so on exit its flat parameter is broadcast one unit at
 a time, each rank keeps its slice and the buffer is freed: the other ranks never hold more than one
 unit unsharded. Replicas (NO_SHARD) then take the shard of replica 0. A forward inside runs on the full
-parameters with no collective (see [Note: forward inside unshard_params]); backward and the state functions
-raise inside the context.
+parameters with no collective (see [Note: forward inside unshard_params]); backward and loading state raise
+inside the context. Reading state (``get_state_dict``, and so a checkpoint saved inside) reads the shards,
+which the context leaves untouched until it exits: the state as it was on entering, not the full views and
+what was changed in them.
 """
 
 from __future__ import annotations

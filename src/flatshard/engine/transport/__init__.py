@@ -7,6 +7,7 @@
 - ``memory``: large CPU blocks (huge pages, mapped blocks freed at once, prefaulting).
 - ``streams``: the named CUDA streams and events of one root (collapsed to the current stream on CPU).
 - ``limiter``: the all-gather rate limiter.
+- ``env``: the ``FLATSHARD_*`` environment switches, validated where they are read.
 """
 
 from flatshard.engine.transport.comm import CollectiveTiming, Pending, comm_stats, timeline

@@ -9,7 +9,8 @@ compute time. Asking for transparent huge pages (``madvise(MADV_HUGEPAGE)``) on 
 anything touches it, makes each fault bring in 2 MiB: 512x fewer faults, measured at about half the
 step time on that model (``docs/benchmarks.md``). It is a hint: peak memory does not change, and where
 the kernel has huge pages disabled (``/sys/kernel/mm/transparent_hugepage/enabled`` = ``never``), on other
-systems, or for CUDA tensors it does nothing. ``FLATSHARD_CPU_HUGEPAGES=0`` turns it off.
+systems, or for CUDA tensors it does nothing. ``FLATSHARD_CPU_HUGEPAGES=0`` turns it off (see [Note:
+environment switches]).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import ctypes.util
 import errno
 import functools
 import mmap
-import os
 import sys
 import threading
 
 import torch
+
+from flatshard.engine.transport.env import env_flag, env_int
 
 __all__ = [
     "Prefaulter",
@@ -67,7 +69,7 @@ def _libc_madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 @functools.cache
 def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """libc's ``madvise`` when huge pages can be requested on this system, else ``None``."""
-    if os.environ.get("FLATSHARD_CPU_HUGEPAGES", "1") == "0":
+    if not env_flag("FLATSHARD_CPU_HUGEPAGES"):
         return None
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
@@ -187,15 +189,20 @@ class Prefaulter:
 
     def __init__(self, threads: int | None = None) -> None:
         if threads is None:
-            threads = int(os.environ.get("FLATSHARD_PREFAULT_THREADS", "2"))
+            threads = env_int("FLATSHARD_PREFAULT_THREADS")
+        elif isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(
+                f"Prefaulter(threads={threads!r}): the number of helper threads must be an int >= 1. HINT: pass "
+                "None for FLATSHARD_PREFAULT_THREADS or its default (2)."
+            )
         self._tensors: list[torch.Tensor] = []
         self._pieces: list[tuple[int, int]] = []
         self._next = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._count = max(1, threads)
-        self._fn = _libc_madvise() if os.environ.get("FLATSHARD_PREFAULT", "1") != "0" else None
+        self._count = threads
+        self._fn = _libc_madvise() if env_flag("FLATSHARD_PREFAULT") else None
 
     def add(self, t: torch.Tensor) -> None:
         if self._fn is None or not Prefaulter._supported or t.device.type != "cpu":

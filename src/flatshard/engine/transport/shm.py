@@ -9,7 +9,7 @@ where copying 48 MiB takes 6 ms. When every rank of a group runs on one host, fl
 transport replaces it for the flat collectives of a training step (all-gather, reduce-scatter,
 all-reduce of CPU tensors):
 
-* Each rank owns a small segment in ``/dev/shm`` (a header page and two slots of ``slot_bytes``) that
+* Each rank owns a small shared-memory segment (a header page and two slots of ``slot_bytes``) that
   every peer maps. A collective runs in *steps* of at most one slot per rank: a rank writes its part
   into its slot ``step % 2``, publishes ``step`` in its header, waits until every peer published it,
   then reads the peers' slots straight into its output (or adds them into its slice). Each byte is
@@ -30,11 +30,22 @@ all-reduce of CPU tensors):
   mismatch names both sides' positions.
 
 The transport is agreed on once per group by all its ranks (one object collective on first use), so
-a rank that cannot create or map a segment makes every rank use gloo, never hang. Segments are
-unlinked as soon as every peer has mapped them (a name left by a process killed before that is removed by
-the next setup on the host). Used on Linux x86-64 only (its stores are ordered,
-so a published counter implies the slot's bytes are visible); elsewhere, for several hosts, or with
-``FLATSHARD_SHM=0``, collectives go to the process group's backend.
+a rank that cannot create or map a segment makes every rank use gloo, never hang. Segments have no name
+(see [Note: segments without names]). Used on Linux x86-64 only (its stores are ordered, so a published
+counter implies the slot's bytes are visible); elsewhere, for several hosts, or with ``FLATSHARD_SHM=0``,
+collectives go to the process group's backend.
+
+[Note: segments without names]
+A file in ``/dev/shm`` lives until someone unlinks it, and a process killed by SIGKILL unlinks nothing: a
+named segment outlives a rank killed between creating it and the moment every peer has mapped it, and the
+whole job is often killed at once (a scheduler, the OOM killer, Ctrl-C twice), leaving nobody to clean up.
+So a segment is an anonymous memory file (``memfd_create``): it never appears in ``/dev/shm`` and its memory is
+freed when the last process mapping it exits, however it exits. Its owner keeps the file descriptor open
+while the peers open it through ``/proc/<owner pid>/fd/<fd>`` (and check that they got the file whose inode
+the owner published), then closes it once every peer has mapped the segment (or gave up); the mappings stay
+valid. Where that cannot work (no ``memfd_create``, ``/proc`` of the other ranks not visible, as across PID
+namespaces) the ranks agree on the backend instead. :func:`remove_stale_segments` still removes the named
+segments left in ``/dev/shm`` by flatshard versions that created them.
 """
 
 from __future__ import annotations
@@ -50,7 +61,6 @@ import queue
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -58,6 +68,7 @@ import torch
 import torch.distributed as dist
 
 from flatshard.engine.transport import watchdog
+from flatshard.engine.transport.env import env_flag
 from flatshard.engine.transport.memory import libc
 from flatshard.engine.transport.pieces import FlatPieces
 
@@ -66,10 +77,10 @@ __all__ = [
     "Segment",
     "ShmGroup",
     "ShmWork",
+    "anonymous_segments",
     "exchange_segments",
     "host_key",
     "remove_stale_segments",
-    "segment_path",
     "shm_group",
 ]
 
@@ -114,17 +125,10 @@ def host_key() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def segment_path(kind: str) -> str:
-    """A fresh name in ``/dev/shm`` for a segment of this process: ``flatshard-<kind>-<pid>-<random>``.
-
-    Names live only until every peer has mapped the segment; a process killed in that window leaves its
-    name behind, and the next :func:`remove_stale_segments` on the host removes it.
-    """
-    return os.path.join(_SHM_DIR, f"flatshard-{kind}-{os.getpid()}-{uuid.uuid4().hex}")
-
-
 def remove_stale_segments() -> None:
-    """Unlink segment names left by processes of this host that no longer run."""
+    """Unlink the ``flatshard-<kind>-<pid>-<random>`` names in ``/dev/shm`` of processes of this host that no
+    longer run: named segments of earlier flatshard versions (this one names none, see [Note: segments without
+    names])."""
     try:
         names = os.listdir(_SHM_DIR)
     except OSError:
@@ -143,39 +147,61 @@ def remove_stale_segments() -> None:
 
 
 class Segment:
-    """A shared-memory file mapped into this process (created by its owner, opened by peers)."""
+    """A shared-memory file mapped into this process: created by its owner, opened by peers.
 
-    def __init__(self, path: str, nbytes: int, create: bool) -> None:
-        self.path = path
+    ``path=None`` (with ``create``) makes an anonymous segment (see [Note: segments without names]), whose
+    :attr:`path` for the peers is ``/proc/<pid>/fd/<fd>`` until :meth:`unpublish`; a path names a file
+    (tests use files of a temporary folder). A peer's segment is only mapped: it keeps no descriptor open.
+    """
+
+    def __init__(self, path: str | None, nbytes: int, create: bool) -> None:
         self.nbytes = nbytes
         self.reserved = not create  # a peer's segment: its owner reserved it
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
+        named = path is not None
+        if path is None:
+            if not create:
+                raise ValueError("Segment(path=None) needs create=True: a peer opens its owner's path.")
+            fd = os.memfd_create("flatshard", os.MFD_CLOEXEC)
+            path = f"/proc/{os.getpid()}/fd/{fd}"
+        else:
+            fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        self.path = path
+        self._fd: int | None = fd  # the owner's, while peers may still open ``path``
         try:
+            info = os.fstat(fd)
+            self.identity = (info.st_dev, info.st_ino)  # peers check they opened this very file
             if create:
                 os.ftruncate(fd, nbytes)  # sized, but no page is allocated before reserve() or a write
+            elif info.st_size != nbytes:
+                raise OSError(errno.EINVAL, f"{path} holds {info.st_size} bytes, not the {nbytes} expected")
             self._map: mmap.mmap | None = mmap.mmap(
                 fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
             )
         except BaseException:
-            os.close(fd)
-            if create:
+            self.unpublish()
+            if create and named:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
             raise
-        os.close(fd)
+        if not create:
+            self.unpublish()
         self.bytes: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def reserve(self) -> None:
-        """Allocate the segment's pages now (its name must still exist): a full tmpfs then fails here, with
+        """Allocate the segment's pages now (before :meth:`unpublish`): a lack of memory then fails here, with
         an ``OSError``, not with SIGBUS on the first write."""
         if not self.reserved:
-            fd = os.open(self.path, os.O_RDWR)
-            try:
-                os.posix_fallocate(fd, 0, self.nbytes)
-            finally:
-                os.close(fd)
+            if self._fd is None:
+                raise OSError(errno.EBADF, f"segment {self.path} was unpublished before it was reserved")
+            os.posix_fallocate(self._fd, 0, self.nbytes)
             self.reserved = True
+
+    def unpublish(self) -> None:
+        """Close the descriptor behind :attr:`path`: no other process can open the segment any more; mappings
+        stay valid. A named file keeps its name (its creator removes it)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def view(self, start: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """``numel`` elements of ``dtype`` from byte ``start`` of the segment."""
@@ -203,6 +229,7 @@ class Segment:
         return raw.split(b"\0", 1)[0].decode(errors="replace")
 
     def close(self) -> None:
+        self.unpublish()
         self.bytes = None
         if self._map is not None:
             with contextlib.suppress(BufferError):  # a view still alive: the map goes with it
@@ -247,7 +274,11 @@ class ShmWork:
         self.ended_ns = 0
 
     def wait(self, timeout: Any = None) -> bool:
-        self._done.wait()
+        """Like ``Work.wait``: a ``timedelta`` or seconds; past it, ``RuntimeError("... timed out")`` and the
+        work stays pending (how a desync is looked for between slices)."""
+        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+        if not self._done.wait(seconds):
+            raise RuntimeError("shared-memory collective: wait timed out; the work is still pending")
         if self._error is not None:
             raise self._error
         return True
@@ -508,6 +539,11 @@ def _sum_into(out: torch.Tensor, terms: Sequence[torch.Tensor]) -> None:
         out.add_(term)
 
 
+def anonymous_segments() -> bool:
+    """Whether this process can make segments its peers open (see [Note: segments without names])."""
+    return hasattr(os, "memfd_create") and os.path.isdir(f"/proc/{os.getpid()}/fd")
+
+
 def exchange_segments(
     group: ProcessGroup | None,
     nbytes: int,
@@ -519,60 +555,78 @@ def exchange_segments(
 ) -> tuple[list[dict[str, Any]], Segment | None, dict[int, Segment]]:
     """Collective over ``group``: each rank creates a segment of ``nbytes`` and the ranks map each other's.
 
-    A rank creates its segment when ``possible`` (and ``/dev/shm`` is there and ``FLATSHARD_SHM`` is not
-    ``0``), then every rank shares its name and ``info``; ranks with ``open_peers`` map the others'. If any
+    A rank creates its segment when ``possible`` (and :func:`anonymous_segments` and ``FLATSHARD_SHM`` is not
+    ``0``), then every rank shares its path and ``info``; ranks with ``open_peers`` map the others'. If any
     rank could not create, reserve or map, or the ranks are on several hosts, every rank gets ``(everyone,
     None, {})`` and nothing stays mapped: all ranks decide alike, so none waits on a segment another dropped.
     A segment's pages are reserved (:meth:`Segment.reserve`) when it is created, or, with ``reserve_if``, only
     if ``reserve_if(everyone)`` says this rank will write to it: a segment nobody writes costs no memory.
-    Returns every rank's ``info`` (with ``host``, ``path``, ``error``), this rank's segment and its peers'.
+    Nothing is left in ``/dev/shm``, whatever happens (see [Note: segments without names]); ``kind`` names the
+    segment in error messages. Returns every rank's ``info`` (with ``host``, ``path``, ``error``), this rank's
+    segment and its peers'.
     """
-    path: str | None = None
     own: Segment | None = None
     error = ""
-    if possible and os.path.isdir(_SHM_DIR) and os.environ.get("FLATSHARD_SHM", "1") != "0":
-        remove_stale_segments()
-        path = segment_path(kind)
-        try:
-            own = Segment(path, nbytes, create=True)
-            if reserve_if is None:
-                own.reserve()
-        except (OSError, ValueError, RuntimeError) as err:
-            if own is not None:
-                own.close()
-                own = None
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            path, error = None, f"{type(err).__name__}: {err}"
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, {**info, "host": host_key(), "path": path, "error": error}, group=group)
-    usable = all(e["path"] for e in everyone) and len({e["host"] for e in everyone}) == 1
     peers: dict[int, Segment] = {}
-    if usable:  # the same on every rank: each joins the all_reduce below
-        if own is not None and reserve_if is not None and reserve_if(everyone):
+    usable = done = False
+    try:
+        if possible and env_flag("FLATSHARD_SHM") and anonymous_segments():
+            remove_stale_segments()  # names earlier versions left (see [Note: segments without names])
             try:
-                own.reserve()
-            except OSError:
-                usable = False
-        if open_peers and usable:
-            try:
-                for r, e in enumerate(everyone):
-                    if r != rank:
-                        peers[r] = Segment(e["path"], nbytes, create=False)
-            except (OSError, ValueError, RuntimeError):
-                usable = False
-        flag = torch.tensor([int(usable)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        usable = bool(flag.item())
-    if path is not None:  # every peer has mapped it (or gave up): the name is no longer needed
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+                own = Segment(None, nbytes, create=True)
+                if reserve_if is None:
+                    own.reserve()
+            except (OSError, ValueError, RuntimeError) as err:
+                if own is not None:
+                    own.close()
+                    own = None
+                error = f"{kind} segment: {type(err).__name__}: {err}"
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        mine = {
+            **info,
+            "host": host_key(),
+            "path": own.path if own is not None else None,
+            "identity": own.identity if own is not None else None,
+            "error": error,
+        }
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, mine, group=group)
+        usable = all(e["path"] for e in everyone) and len({e["host"] for e in everyone}) == 1
+        if usable:  # the same on every rank: each joins the all_reduce below
+            if own is not None and reserve_if is not None and reserve_if(everyone):
+                try:
+                    own.reserve()
+                except OSError:
+                    usable = False
+            if open_peers and usable:
+                try:
+                    for r, e in enumerate(everyone):
+                        if r != rank:
+                            peers[r] = _open_peer(e, nbytes)
+                except (OSError, ValueError, RuntimeError):
+                    usable = False
+            flag = torch.tensor([int(usable)], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+            usable = bool(flag.item())
+        done = True
+    finally:
+        if own is not None:  # every peer has mapped it, or gave up: no other process may open it now
+            own.unpublish()
+        if not (done and usable):
+            for seg in (*peers.values(), *([own] if own is not None else [])):
+                seg.close()
     if usable and own is not None:
         return everyone, own, peers
-    for seg in (*peers.values(), *([own] if own is not None else [])):
-        seg.close()
     return everyone, None, {}
+
+
+def _open_peer(entry: dict[str, Any], nbytes: int) -> Segment:
+    """Map a peer's segment from its published path, refusing any other file found there."""
+    seg = Segment(entry["path"], nbytes, create=False)
+    if list(seg.identity) != list(entry["identity"]):
+        seg.close()
+        raise OSError(errno.ESTALE, f"{entry['path']} is no longer the peer's segment")
+    return seg
 
 
 # One entry per process group seen: the group, and its ShmGroup or None where the backend is used.

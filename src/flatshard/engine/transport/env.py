@@ -1,0 +1,76 @@
+"""flatshard's environment switches, read and validated in one place.
+
+[Note: environment switches]
+A few ``FLATSHARD_*`` variables turn an optimisation of the CPU path off, to compare with it or to get around
+a system where it misbehaves. Each is validated wherever it is read, as an argument would be: a value outside
+the accepted ones raises ``ValueError`` naming the variable, its value, what it accepts and a ``HINT:``, never
+a bare conversion error, and never a silent default. ``shard()`` reads them all once
+(:func:`check_environment`), so a typo fails at setup on every rank, not in the middle of a step.
+``FLATSHARD_DESYNC_TIMEOUT`` is read by :mod:`~flatshard.engine.transport.watchdog`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+__all__ = ["FLAGS", "INTEGERS", "check_environment", "env_flag", "env_int"]
+
+# name -> (default, what it switches); "0" turns it off, "1" on
+FLAGS: dict[str, tuple[bool, str]] = {
+    "FLATSHARD_SHM": (
+        True,
+        "collectives and full-state gathers of CPU ranks on one host through shared memory",
+    ),
+    "FLATSHARD_CPU_HUGEPAGES": (True, "huge pages requested for large CPU buffers"),
+    "FLATSHARD_PREFAULT": (True, "helper threads that back the pages of a full state's outputs"),
+}
+# name -> (default, minimum, what it sets)
+INTEGERS: dict[str, tuple[int, int, str]] = {
+    "FLATSHARD_PREFAULT_THREADS": (2, 1, "the number of page-backing helper threads"),
+}
+
+
+def _rank() -> str:
+    if dist.is_available() and dist.is_initialized():
+        return f"[rank {dist.get_rank()}] "
+    return ""
+
+
+def env_flag(name: str) -> bool:
+    """The switch ``name`` of :data:`FLAGS`: its default when unset, ``False`` for ``"0"``, ``True`` for ``"1"``."""
+    default, what = FLAGS[name]
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if value in ("0", "1"):
+        return value == "1"
+    raise ValueError(
+        f"{_rank()}environment variable {name}={value!r} is not a switch: it accepts 0 (off) or 1 (on, the "
+        f"default) for {what}. HINT: set {name}=0 to turn it off, or unset it."
+    )
+
+
+def env_int(name: str) -> int:
+    """The integer ``name`` of :data:`INTEGERS`: its default when unset, else a whole number at least its minimum."""
+    default, minimum, what = INTEGERS[name]
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    number = int(value) if value.isascii() and value.isdigit() else None
+    if number is None or number < minimum:
+        raise ValueError(
+            f"{_rank()}environment variable {name}={value!r} is not a whole number >= {minimum} ({what}). "
+            f"HINT: set a plain number such as {name}={default} (no sign, unit or spaces), or unset it for "
+            f"the default ({default})."
+        )
+    return number
+
+
+def check_environment() -> None:
+    """Read every switch above: raises the first malformed one's error (see [Note: environment switches])."""
+    for name in FLAGS:
+        env_flag(name)
+    for name in INTEGERS:
+        env_int(name)

@@ -1,0 +1,1 @@
+"""Fault-injection tier: killed ranks, full disks, failing stores, damaged files, slow ranks."""
