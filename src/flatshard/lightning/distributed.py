@@ -75,7 +75,7 @@ def barrier(root_device: torch.device) -> None:
         work = torch.distributed.barrier(async_op=True, device_ids=[root_device.index])
     else:
         work = torch.distributed.barrier(async_op=True)
-    wait_collective(work, "the strategy's barrier")
+    wait_collective(work, "the strategy's barrier", op="barrier")
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
@@ -107,10 +107,13 @@ def reduce_tensor(tensor: Tensor | Any, group: Any | None, reduce_op: Any | None
         else:
             op = getattr(dist.ReduceOp, name.upper())
     wait_collective(
-        dist.barrier(group=group, async_op=True), "the barrier before a logged value's reduction", group
+        dist.barrier(group=group, async_op=True),
+        "the barrier before a logged value's reduction",
+        group,
+        op="barrier",
     )
     work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    wait_collective(work, "the all_reduce of a logged value (sync_dist)", group)
+    wait_collective(work, "the all_reduce of a logged value (sync_dist)", group, op="all_reduce")
     if not divide:
         return tensor
     world = dist.get_world_size(group)

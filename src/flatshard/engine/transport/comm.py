@@ -134,10 +134,10 @@ class Pending(NamedTuple):
 def _wait(work: Any, label: watchdog.Label | None, output: torch.Tensor) -> None:
     """Wait for a backend's work; a gloo wait on the CPU is sliced so a desync is reported, not a hang.
 
-    See [Note: finding a desync]. A shared-memory work's own worker does the looking; a CUDA work's
-    ``wait`` only orders streams and never blocks the CPU.
+    See [Note: finding a desync]. A shared-memory work is waited on in slices too (its worker also stops
+    on a verdict); a CUDA work's ``wait`` only orders streams and never blocks the CPU.
     """
-    if isinstance(work, shm.ShmWork) or output.device.type != "cpu" or watchdog.limit() is None:
+    if output.device.type != "cpu" or watchdog.limit() is None:
         work.wait()
         return
     if label is not None and label.kind == "reduce_scatter":
@@ -148,7 +148,7 @@ def _wait(work: Any, label: watchdog.Label | None, output: torch.Tensor) -> None
 
 # Per process group (by id, the group kept to detect reuse of an id): its global ranks and the number of
 # flat collectives issued on it, for the labels of [Note: finding a desync].
-_GROUP_SEQ: dict[int, tuple[Any, tuple[int, ...], list[int]]] = {}
+_GROUP_SEQ: dict[int, tuple[Any, tuple[int, ...], list[int], str]] = {}
 
 
 def _label(
@@ -157,9 +157,13 @@ def _label(
     pg = group if group is not None else dist.group.WORLD
     entry = _GROUP_SEQ.get(id(pg))
     if entry is None or entry[0] is not pg:
-        entry = _GROUP_SEQ[id(pg)] = (pg, tuple(dist.get_process_group_ranks(pg)), [0])
+        ranks = tuple(dist.get_process_group_ranks(pg))
+        entry = _GROUP_SEQ[id(pg)] = (pg, ranks, [0], watchdog.group_name(pg))
     entry[2][0] += 1
-    return watchdog.Label(kind, numel, str(tensor.dtype).removeprefix("torch."), entry[1], entry[2][0], where)
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    label = watchdog.Label(kind, numel, dtype, entry[1], entry[2][0], where, entry[3])
+    watchdog.note_issued(label)  # see [Note: finding a desync]
+    return label
 
 
 def _issued(
@@ -169,8 +173,13 @@ def _issued(
     work: Any,
     async_op: bool,
     label: watchdog.Label | None = None,
+    c10d_group: ProcessGroup | None = None,
 ) -> Pending:
-    """Count the bytes; time the collective inside :func:`timeline`; wait now unless ``async_op``."""
+    """Count the bytes; time the collective inside :func:`timeline`; wait now unless ``async_op``.
+    ``c10d_group``: the group a torch.distributed collective was issued on (its number goes in the label)."""
+    if label is not None and work is not None and not isinstance(work, shm.ShmWork):
+        pg = c10d_group if c10d_group is not None else dist.group.WORLD
+        label = label._replace(c10d_seq=watchdog.c10d_seq(pg))
     comm_stats[kind] += nbytes
     timing = None
     if _timeline is not None:
@@ -228,6 +237,7 @@ def all_gather_flat(
         work = channel.all_gather(output, shard, label=label)
     else:
         work = _all_gather_base(output, shard, group=group, async_op=True)
+        return _issued("all_gather", nbytes, output, work, async_op, label, group)
     return _issued("all_gather", nbytes, output, work, async_op, label)
 
 
@@ -264,7 +274,7 @@ def reduce_scatter_flat(
     if backend not in _NO_NATIVE_REDUCE_SCATTER:
         try:
             work = _reduce_scatter_base(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
-            return _issued("reduce_scatter", nbytes, output, work, async_op, label)
+            return _issued("reduce_scatter", nbytes, output, work, async_op, label, group)
         except (RuntimeError, NotImplementedError) as err:  # pragma: no cover - depends on torch build
             if not _unsupported(err):
                 raise
@@ -279,7 +289,7 @@ def reduce_scatter_flat(
             )
     # Fallback: all-reduce in place, then copy our slice (twice the traffic, same result).
     work = dist.all_reduce(full, group=group, async_op=True)
-    pending = _issued("reduce_scatter", nbytes, full, work, False, label)
+    pending = _issued("reduce_scatter", nbytes, full, work, False, label, group)
     rank = dist.get_rank(group)
     output.copy_(pending.output[rank * output.numel() : (rank + 1) * output.numel()])
     return Pending(output, None, pending.timing, label)
@@ -308,4 +318,5 @@ def all_reduce_flat(
         work = channel.all_reduce(tensor, label=label)
     else:
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return _issued("all_reduce", nbytes, tensor, work, async_op, label, group)
     return _issued("all_reduce", nbytes, tensor, work, async_op, label)

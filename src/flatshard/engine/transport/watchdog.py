@@ -1,38 +1,52 @@
-"""Finding a desync: ranks whose collectives no longer pair up raise within a bounded time, naming where each waits.
+"""Finding a desync: ranks whose collectives can never pair up raise within a bounded time, naming where each waits.
 
 [Note: finding a desync]
 Collectives pair up by issue order: when one rank skips a training forward, runs a different unit, or goes
 on to its epoch-end metric reduction while another still gathers a unit, every rank ends up waiting for a
 partner that never comes. Left to the process group that is a silent hang until its timeout (30 minutes by
-default). flatshard reports it instead, within ``desync_timeout`` seconds (60 by default) of the last
-progress, on every rank that waits in one of its collectives, with a table naming what every rank waits
-in. Built from what torch.distributed provides and the shared-memory transport's own wait loop:
+default). flatshard reports it instead, within ``desync_timeout`` seconds (60 by default), with a table naming
+what every rank waits in. A report needs positive evidence that no rank can ever make progress; a rank that
+might still be working is never reported (no false alarm by construction).
 
-* **Labels.** Every flat collective carries a :class:`Label`: its kind, size and dtype, its number on its
-  group (the n-th flat collective this rank issued on those ranks) and where it was issued (the unit's
-  module path, ``forward``/``backward``/``state``, the root's training step).
-* **Waits that can look up.** The shared-memory transport already wakes every half second while it waits
-  for a peer; a gloo collective is waited on in slices (``Work.wait(timeout)``, which leaves the work
-  pending). At each wake-up the waiter records "blocked in <label> since <t>" and raises if a verdict is
-  in.
-* **Heartbeat.** One daemon thread per process publishes this rank's state in the default group's c10d
-  store every ``beat`` seconds (``flatshard/desync/<rank>``): blocked in a flat collective (the label and
-  for how long), blocked in a collective of torch.distributed called by someone else (found by looking at
-  the main thread's Python frames: a metric reduction, a barrier, flatshard's own small all-reduces), or
-  running. A rank whose heartbeat stops advancing (a process stopped, dead, or holding the interpreter
-  lock) is counted as blocked.
-* **Verdict.** A rank blocked for ``limit / 2`` reads every rank's state. Only when *every* rank is blocked
-  in a collective for about that long, and they are not all in the same flat collective, is it a desync:
-  no rank can make progress, so none ever will. The table is written to the store (one verdict for all)
-  and every rank's flat-collective wait raises :class:`DesyncError` with it. A slow rank is never
-  reported: while any rank runs (a long step, a checkpoint being written, a data loader stall) the others
-  keep waiting, up to the process group's own timeout.
+* **Labels.** Every flat collective carries a :class:`Label`: its kind, size and dtype, its process group (by
+  name, the same on every rank), its number on that group (the n-th flat collective this rank issued there)
+  and where it was issued (the unit's module path, ``forward``/``backward``/``state``, the training step).
+  Each rank also remembers the signatures of the last flat collectives it *issued* per group.
+* **The training thread's wait.** Only the main thread's state counts. It waits in a flat collective (or a
+  barrier or reduction of the strategies, labelled the same way) in slices (``Work.wait(timeout)`` leaves
+  the work pending); at each slice it records "waiting in <label> since <t>" under a wait number, and
+  raises if a verdict about *that* wait is in. Otherwise the heartbeat looks at the main thread's Python
+  frames: its innermost frame of a ``torch.distributed`` module being one of ``distributed_c10d``'s
+  collectives (``barrier``, ``all_reduce``, ``broadcast``, ...) means it waits in that collective, called
+  from the first frame outside ``distributed_c10d``; anything else (computing, writing a checkpoint,
+  pickling inside ``broadcast_object_list``, DCP's planning) is *running*. Frames are told apart by their
+  module's ``__name__``, never by file paths.
+* **Heartbeat.** One daemon thread per process publishes, every ``beat`` seconds, this rank's state in the
+  default group's c10d store (``flatshard/desync/<rank>``): the wait above or "running", its duration, its
+  own limit and beat interval, its host and pid, and the issued signatures. At exit it publishes "exited".
+* **Verdict.** A rank waiting for ``limit / 2`` reads every rank's state. It is a desync only when
+  - every rank waits in a collective for at least half of *its own* limit, with a heartbeat that advanced
+    within three of *its own* beat intervals; or has exited (it said so, or it is on this host and its pid
+    is gone). A rank running, or silent for another reason (stopped, holding the interpreter lock in a long
+    C call), or waiting for less than its half limit, means no verdict;
+  - at least one rank waits in a flat collective;
+  - and no wait can complete: a flat collective #n on group G can complete when every member of G has
+    issued its #n with the same signature (then it is in flight, merely slow, whatever its duration); a
+    torch.distributed collective can complete unless a member of its group waits in a flat collective or
+    has exited (two ranks in torch.distributed collectives from different places may still pair up: that
+    is not evidence). Every rank in the same long torch.distributed call, or running inside DCP, is never
+    a verdict.
+  The verdict names the wait of every rank it is about. Each rank adopts it only while its main thread is
+  still in that very wait: a flat wait raises :class:`DesyncError`; a rank blocked inside torch.distributed
+  (which cannot be interrupted from another thread) logs it, and its collective fails as soon as the ranks
+  that raised exit. A verdict never outlives its wait: a later, ordinary slow step is judged afresh.
 
-A rank blocked in a collective of torch.distributed (not flatshard's) cannot be interrupted from another
-thread (gloo's ``abort`` does not wake a waiting ``barrier``); its heartbeat logs the verdict, and its
-collective fails as soon as the ranks that raised exit. NCCL collectives do not block the CPU (their wait is
-a stream dependency); NCCL's own watchdog (``TORCH_NCCL_*`` timeouts and flight recorder) covers them,
-and the heartbeat still logs the positions of ranks blocked in flatshard's CPU-side waits.
+What is not detected: a desync among ranks that all wait in torch.distributed collectives (no flat
+collective involved: the process group's own timeout applies); a rank that went silent on another host
+without exiting cleanly (gloo reports its closed connection at once; NCCL's watchdog covers NCCL); and on
+NCCL, flat collectives never block the host (their wait is a stream dependency), so NCCL's own watchdog
+(``TORCH_NCCL_*`` timeouts, flight recorder) reports a hang there, while the heartbeat still logs the
+positions of ranks blocked in torch.distributed calls on the host.
 """
 
 from __future__ import annotations
@@ -42,10 +56,14 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 import os
+import socket
 import sys
 import threading
 import time
+import weakref
+from collections import deque
 from typing import Any, NamedTuple
 
 import torch.distributed as dist
@@ -57,6 +75,7 @@ __all__ = [
     "blocked",
     "configure",
     "limit",
+    "note_issued",
     "start",
     "unblocked",
     "verdict",
@@ -68,9 +87,64 @@ __all__ = [
 log = logging.getLogger("flatshard")
 
 DEFAULT_LIMIT_S = 60.0
+ENV = "FLATSHARD_DESYNC_TIMEOUT"
 _PREFIX = "flatshard/desync/"
 _VERDICT_KEY = _PREFIX + "verdict"
-_C10D_DIR = os.sep.join(("torch", "distributed", ""))
+_ISSUED_KEPT = 16  # signatures of the last flat collectives issued per group, for the verdict's evidence
+_NONCE = os.urandom(4).hex()  # wait numbers of this process, never those of an earlier one on the same store
+_C10D = "torch.distributed.distributed_c10d"
+_C10D_WRAPPERS = (_C10D, "torch.distributed.c10d_logger")
+# distributed_c10d's collectives: a main thread whose innermost torch.distributed frame is one of these waits.
+_COLLECTIVES = frozenset(
+    {
+        "all_gather",
+        "all_gather_coalesced",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "all_reduce",
+        "all_reduce_coalesced",
+        "all_to_all",
+        "all_to_all_single",
+        "barrier",
+        "batch_isend_irecv",
+        "broadcast",
+        "broadcast_object_list",
+        "gather",
+        "gather_object",
+        "monitored_barrier",
+        "recv",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "scatter",
+        "scatter_object_list",
+        "send",
+        "_all_gather_base",
+        "_reduce_scatter_base",
+    }
+)
+
+
+# Operations that may pair with each other (a NCCL barrier is an all_reduce): a wait in one family and a wait
+# in another, on the same ranks, can never complete together.
+_FAMILY = {
+    "monitored_barrier": "all_reduce",
+    "barrier": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_coalesced": "all_gather",
+    "all_gather_object": "all_gather",
+    "_all_gather_base": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "_reduce_scatter_base": "reduce_scatter",
+    "broadcast_object_list": "broadcast",
+    "gather_object": "gather",
+    "scatter_object_list": "scatter",
+    "all_to_all_single": "all_to_all",
+    "send": "p2p",
+    "recv": "p2p",
+    "batch_isend_irecv": "p2p",
+}
 
 
 class DesyncError(RuntimeError):
@@ -84,8 +158,11 @@ class Label(NamedTuple):
     numel: int  # elements this rank sends
     dtype: str
     group: tuple[int, ...]  # global ranks of its group
-    seq: int  # the n-th flat collective this rank issued on that group (1-based)
+    seq: int  # the n-th flat collective this rank issued on that group (1-based); -1: a strategy collective
     where: tuple[str, str, int] | None  # (unit path, phase, root's training step), or None: outside a step
+    name: str = ""  # the process group's name (the same on every rank), "" if unknown
+    op: str = ""  # a strategy collective's torch.distributed operation ("barrier", "all_reduce")
+    c10d_seq: int = 0  # its number among the process group's own collectives (0: not a c10d collective)
 
     def describe(self) -> str:
         if self.seq < 0:  # a collective of the strategies (wait_collective): its kind says what it is
@@ -100,31 +177,61 @@ class Label(NamedTuple):
             place = f"unit {unit!r}, {phase}" + (f", step {step}" if step > 0 else "")
         return f"{self.kind} of {self.numel} {self.dtype} elements ({place}; flat collective #{self.seq} on {span})"
 
-    def key(self) -> list[Any]:
-        """What must be equal on two ranks waiting in the same collective."""
-        return [self.kind, self.numel, self.dtype, list(self.group), self.seq]
+    def signature(self) -> list[Any]:
+        """What two ranks' n-th flat collectives on one group must share to pair up."""
+        return [self.kind, self.numel, self.dtype]
+
+
+@dataclasses.dataclass
+class _Wait:
+    label: Label
+    since: float  # time.monotonic() when the wait began
+    ident: str  # this process's wait number: a verdict names the waits it is about
 
 
 @dataclasses.dataclass
 class _Watchdog:
     limit: float | None = DEFAULT_LIMIT_S
-    # thread ident -> (label, monotonic time the wait began): this process's waits in flat collectives
-    waits: dict[int, tuple[Label, float]] = dataclasses.field(default_factory=dict)
-    verdict: str | None = None
+    wait: _Wait | None = None  # the main thread's wait in a labelled collective
+    waits: int = 0  # wait numbers handed out (labelled and torch.distributed waits alike)
+    # process group name -> (seq, kind, numel, dtype) of the last flat collectives this rank issued there
+    issued: dict[str, deque[list[Any]]] = dataclasses.field(default_factory=dict)
+    verdict: str | None = None  # the last report adopted
+    verdict_wait: str | None = None  # the wait of this process it is about
+    verdict_at: float | None = None  # when it was adopted (monotonic)
     thread: threading.Thread | None = None
     stop: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 _STATE = _Watchdog()
+# process group name -> the group: their c10d sequence numbers are published (see [Note: finding a desync])
+_GROUPS: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
 def configure(limit_s: float | None) -> None:
     """Set the no-progress limit in seconds for this process (``None``: never report, wait as the process
-    group does). The last ``shard()`` call's ``desync_timeout`` wins; ``FLATSHARD_DESYNC_TIMEOUT`` overrides."""
-    env = os.environ.get("FLATSHARD_DESYNC_TIMEOUT")
+    group does). The last ``shard()`` call's ``desync_timeout`` wins; ``FLATSHARD_DESYNC_TIMEOUT`` overrides
+    it and is checked like the argument."""
+    env = os.environ.get(ENV)
     if env is not None:
-        limit_s = None if env.strip().lower() in ("", "0", "none", "off") else float(env)
+        limit_s = _parse_env(env)
     _STATE.limit = limit_s
+
+
+def _parse_env(env: str) -> float | None:
+    text = env.strip().lower()
+    if text in ("", "0", "none", "off"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"{ENV}={env!r} is not a positive number of seconds. HINT: set it to a number of seconds such as "
+            f"60 (no unit), or to 0 / none / off to turn desync detection off; unset it to use desync_timeout."
+        )
+    return value
 
 
 def limit() -> float | None:
@@ -132,50 +239,95 @@ def limit() -> float | None:
 
 
 def verdict() -> str | None:
-    """The desync report, once one is in (every flat-collective wait raises it)."""
+    """The last desync report this process adopted (its waits raised it), or ``None``."""
     return _STATE.verdict
 
 
+def note_issued(label: Label) -> None:
+    """Record a flat collective this rank issued (its signature is the evidence a verdict compares)."""
+    if label.seq > 0:
+        kept = _STATE.issued.setdefault(label.name, deque(maxlen=_ISSUED_KEPT))
+        kept.append([label.seq, *label.signature()])
+
+
 def _beat() -> float:
-    assert _STATE.limit is not None
-    return min(5.0, max(0.05, _STATE.limit / 12))
+    return min(5.0, max(0.05, _STATE.limit / 12)) if _STATE.limit is not None else 1.0
 
 
 def wait_slice() -> float:
     """How long a waiter blocks before it looks for a verdict again."""
-    return min(0.5, _beat()) if _STATE.limit is not None else 0.5
+    return min(0.5, _beat())
 
 
 def blocked(label: Label | None, since: float) -> None:
-    """Called by a waiter that woke up with its collective still pending: record it, raise on a verdict."""
-    if label is not None:
-        _STATE.waits[threading.get_ident()] = (label, since)
-    if _STATE.verdict is not None:
+    """Called by a waiter whose collective is still pending: record the main thread's wait, and raise
+    :class:`DesyncError` if a verdict about this wait is in. Another thread (the shared-memory transport's
+    worker) records nothing and raises if a verdict came in while it waited."""
+    if threading.current_thread() is not threading.main_thread():
+        at = _STATE.verdict_at
+        if _STATE.verdict is not None and at is not None and at >= since:
+            raise DesyncError(_STATE.verdict)
+        return
+    wait = _STATE.wait
+    if label is not None and (wait is None or wait.since != since or wait.label != label):
+        wait = _STATE.wait = _Wait(label, since, _next_wait())
+    if wait is not None and _STATE.verdict is not None and _STATE.verdict_wait == wait.ident:
         raise DesyncError(_STATE.verdict)
+
+
+def _next_wait() -> str:
+    _STATE.waits += 1
+    return f"{_NONCE}:{_STATE.waits}"
 
 
 def unblocked() -> None:
     """The calling thread's wait completed."""
-    _STATE.waits.pop(threading.get_ident(), None)
+    if threading.current_thread() is threading.main_thread():
+        _STATE.wait = None
 
 
-def wait_collective(work: Any, what: str, group: Any = None) -> None:
+def wait_collective(work: Any, what: str, group: Any = None, op: str = "") -> None:
     """Wait for a torch.distributed ``work`` (issued with ``async_op=True``) the way flatshard waits for its
     own collectives: in slices, so a desync raises :class:`DesyncError` instead of hanging. ``what`` names
-    the collective in the report (``"all_reduce of a logged value (sync_dist)"``). For the strategies'
-    barriers and reductions; a NCCL work is waited on plainly (its wait does not block the CPU for long).
+    the collective in the report (``"all_reduce of a logged value (sync_dist)"``), ``op`` the
+    torch.distributed operation (``"barrier"``). For the strategies' barriers and reductions; a NCCL work is
+    waited on plainly (its wait does not block the CPU for long).
     """
     if _STATE.limit is None or "nccl" in str(dist.get_backend(group)):
         work.wait()
         return
-    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    wait_sliced(work, Label(what, 0, "", ranks, -1, None))
+    pg = group if group is not None else dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    wait_sliced(work, Label(what, 0, "", ranks, -1, None, group_name(pg), op, c10d_seq(pg)))
+
+
+def group_name(group: Any) -> str:
+    """A process group's name (the same on every rank), or "" where torch does not say; the group's
+    collectives are counted in the heartbeat from then on."""
+    try:
+        name = str(group.group_name)
+    except (AttributeError, RuntimeError):
+        return ""
+    try:
+        _GROUPS.setdefault(name, group)
+    except TypeError:  # not weakly referable
+        pass
+    return name
+
+
+def c10d_seq(group: Any) -> int:
+    """How many collectives this rank has issued on ``group`` (torch's own count), or 0 if unknown."""
+    try:
+        return int(group._get_sequence_number_for_group())
+    except (AttributeError, RuntimeError):
+        return 0
 
 
 def wait_sliced(work: Any, label: Label | None) -> None:
-    """Wait for a c10d ``work`` in slices of :func:`wait_slice` seconds (``Work.wait(timeout)`` leaves it
-    pending), recording the wait and raising :class:`DesyncError` once a verdict is in. An error of the
-    work itself after a verdict (the ranks that raised have left) is reported as the desync it was."""
+    """Wait for a c10d ``work`` (or a shared-memory work) in slices of :func:`wait_slice` seconds
+    (``Work.wait(timeout)`` leaves it pending), recording the wait and raising :class:`DesyncError` once a
+    verdict about it is in. An error of the work itself after such a verdict (the ranks that raised have
+    left) is reported as the desync it was."""
     since = time.monotonic()
     piece = datetime.timedelta(seconds=wait_slice())
     try:
@@ -185,7 +337,7 @@ def wait_sliced(work: Any, label: Label | None) -> None:
                 return
             except RuntimeError as err:
                 if "timed out" not in str(err).lower() or work.is_completed():
-                    _raise_verdict(err)
+                    _raise_verdict(err, since)
                     raise
             blocked(label, since)
     finally:
@@ -196,19 +348,21 @@ def wait_whole(work: Any, label: Label | None) -> None:
     """Wait for a c10d ``work`` whose ``wait`` does the work itself and ignores a timeout (gloo's
     ``reduce_scatter``): publish the position first, so a desync report names it, then block. The ranks that
     raise leave, which ends this wait with an error; it is reported as the desync it was."""
-    blocked(label, time.monotonic())
+    since = time.monotonic()
+    blocked(label, since)
     try:
         work.wait()
     except RuntimeError as err:
-        _raise_verdict(err)
+        _raise_verdict(err, since)
         raise
     finally:
         unblocked()
 
 
-def _raise_verdict(err: BaseException) -> None:
-    """After a verdict, a collective's error is the desync's doing: raise it as :class:`DesyncError`."""
-    if _STATE.verdict is not None:
+def _raise_verdict(err: BaseException, since: float) -> None:
+    """A collective's error after a verdict adopted during this wait is the desync's doing."""
+    at = _STATE.verdict_at
+    if _STATE.verdict is not None and at is not None and at >= since:
         raise DesyncError(_STATE.verdict) from err
 
 
@@ -224,9 +378,16 @@ def start() -> None:
 
 
 def _stop() -> None:
+    """At exit: stop beating and tell the peers this process is gone (positive evidence for them)."""
     _STATE.stop.set()
     if _STATE.thread is not None:
         _STATE.thread.join(timeout=1.0)
+        try:
+            if dist.is_initialized():
+                store = dist.distributed_c10d._get_default_store()
+                store.set(f"{_PREFIX}{dist.get_rank()}", json.dumps({"state": "exited", "beat": -1}))
+        except Exception:  # the store may be gone already
+            pass
 
 
 atexit.register(_stop)
@@ -243,12 +404,22 @@ class _Peer:
         self.changed = time.monotonic()
 
 
+@dataclasses.dataclass
+class _Foreign:
+    """The main thread's current wait inside a torch.distributed collective, as the heartbeat saw it."""
+
+    frame: tuple[int, int]  # (id of the collective's frame, its f_lasti)
+    since: float
+    ident: str
+
+
 def _heartbeat() -> None:
     main = threading.main_thread().ident
     beat = 0
-    foreign: tuple[int, int, float] | None = None  # (frame id, f_lasti, first seen) of a c10d call
+    foreign: _Foreign | None = None
     peers: dict[int, _Peer] = {}
-    while not _STATE.stop.wait(_beat() if _STATE.limit is not None else 1.0):
+    host, pid = socket.gethostname(), os.getpid()
+    while not _STATE.stop.wait(_beat()):
         if _STATE.limit is None or not dist.is_initialized():
             continue
         try:
@@ -257,14 +428,21 @@ def _heartbeat() -> None:
         except (RuntimeError, ValueError, AttributeError):
             continue
         beat += 1
-        now = time.monotonic()
-        mine, foreign = _own_state(main, foreign, now)
-        mine["beat"] = beat
+        mine, foreign = _own_state(main, foreign, time.monotonic())
+        mine.update(
+            beat=beat,
+            interval=_beat(),
+            limit=_STATE.limit,
+            host=host,
+            pid=pid,
+            c10d={name: c10d_seq(pg) for name, pg in list(_GROUPS.items())},
+            issued={name: list(kept) for name, kept in list(_STATE.issued.items())},
+        )
         try:
             store.set(f"{_PREFIX}{rank}", json.dumps(mine))
-            if _STATE.verdict is None and store.check([_VERDICT_KEY]):
-                _adopt(store.get(_VERDICT_KEY).decode())
-            if _STATE.verdict is None and mine["blocked_s"] >= _STATE.limit / 2:
+            if store.check([_VERDICT_KEY]):
+                _adopt(json.loads(store.get(_VERDICT_KEY).decode()), rank, mine)
+            if _STATE.verdict_wait != mine.get("wait") and mine["blocked_s"] >= _STATE.limit / 2:
                 _evaluate(store, rank, world, mine, peers)
         except Exception:  # a store going away at shutdown, a peer gone: never crash the process
             continue
@@ -272,99 +450,183 @@ def _heartbeat() -> None:
             del store
 
 
-def _own_state(
-    main: int | None, foreign: tuple[int, int, float] | None, now: float
-) -> tuple[dict[str, Any], Any]:
-    waits = list(_STATE.waits.values())
-    if waits:
-        label, since = min(waits, key=lambda w: w[1])
+def _own_state(main: int | None, foreign: _Foreign | None, now: float) -> tuple[dict[str, Any], Any]:
+    wait = _STATE.wait
+    if wait is not None:
+        label = wait.label
         return {
-            "state": "flat",
+            "state": "flat" if label.seq > 0 else "labelled",
             "where": label.describe(),
-            "key": label.key(),
-            "blocked_s": now - since,
+            "group": list(label.group),
+            "name": label.name,
+            "seq": label.seq,
+            "signature": label.signature(),
+            "op": _FAMILY.get(label.op or label.kind, label.op or label.kind),
+            "c10d_seq": label.c10d_seq,
+            "wait": wait.ident,
+            "blocked_s": now - wait.since,
         }, None
     frame = sys._current_frames().get(main) if main is not None else None
-    call = _c10d_call(frame)
+    call = _c10d_wait(frame)
     if call is None:
         return {"state": "running", "where": "running (not in a collective)", "blocked_s": 0.0}, None
-    ident = (id(call[0]), call[0].f_lasti)
-    if foreign is None or foreign[:2] != ident:
-        foreign = (*ident, now)
-    return {"state": "foreign", "where": call[1], "blocked_s": now - foreign[2]}, foreign
+    collective, where, pg = call
+    ident = (id(collective), collective.f_lasti)
+    if foreign is None or foreign.frame != ident:
+        foreign = _Foreign(ident, now, _next_wait())
+    op = _FAMILY.get(collective.f_code.co_name, collective.f_code.co_name)
+    state = {"state": "collective", "where": where, "op": op, "wait": foreign.ident}
+    if pg is not None:  # a blocking collective is the last one issued on its group: its number is the count
+        state.update(group=_ranks(pg), name=group_name(pg), c10d_seq=c10d_seq(pg))
+    return {**state, "blocked_s": now - foreign.since}, foreign
 
 
-def _c10d_call(frame: Any) -> tuple[Any, str] | None:
-    """The outermost torch.distributed frame the main thread is in, and a description, or ``None``."""
-    outer = named = caller = None
+def _module(frame: Any) -> str:
+    name = frame.f_globals.get("__name__")
+    return name if isinstance(name, str) else ""
+
+
+def _c10d_wait(frame: Any) -> tuple[Any, str, Any] | None:
+    """If the main thread waits in a collective of torch.distributed: its frame, a description and its
+    process group (``None`` if unknown); else ``None`` (see [Note: finding a desync])."""
     f = frame
-    while f is not None:
-        filename = f.f_code.co_filename
-        if _C10D_DIR in filename and "flatshard" not in filename:
-            outer, caller = f, None
-            if not filename.endswith("c10d_logger.py"):  # its decorator's wrapper: not the API's name
-                named = f
-        elif outer is not None:
-            caller = f
-            break
+    while f is not None and not _module(f).startswith("torch.distributed"):
         f = f.f_back
-    if outer is None:
-        return None
-    where = f"torch.distributed.{(named or outer).f_code.co_name}"
+    if f is None or _module(f) != _C10D or f.f_code.co_name not in _COLLECTIVES:
+        return None  # running: computing, writing, pickling, planning
+    named, caller = f, f.f_back
+    while caller is not None and _module(caller) in _C10D_WRAPPERS:
+        if _module(caller) == _C10D and caller.f_code.co_name in _COLLECTIVES:
+            named = caller  # the API that was called (broadcast_object_list, not the broadcast inside it)
+        caller = caller.f_back
+    where = f"torch.distributed.{named.f_code.co_name}"
     if caller is not None:
         where += f", called from {caller.f_code.co_filename}:{caller.f_lineno} ({caller.f_code.co_name})"
-    return outer, where
+    return f, where, _group_of(named)
 
 
-def _adopt(report: str) -> None:
-    _STATE.verdict = report
-    waits = _STATE.waits
-    if not waits:  # nothing here will raise it: say it where the user looks
-        log.error("%s", report)
+def _group_of(frame: Any) -> Any:
+    try:
+        group = frame.f_locals.get("group")
+        group = dist.group.WORLD if group is None else group
+        return group if isinstance(group, dist.ProcessGroup) else None
+    except Exception:  # not a process group we can read: unknown, never evidence
+        return None
+
+
+def _ranks(group: Any) -> list[int] | None:
+    try:
+        return list(dist.get_process_group_ranks(group))
+    except Exception:
+        return None
+
+
+def _adopt(found: dict[str, Any], rank: int, mine: dict[str, Any]) -> None:
+    """Take in a verdict if it is about the wait this rank is in now (a stale one never fires)."""
+    about = found.get("waits", {}).get(str(rank))
+    if about is None or about != mine.get("wait") or _STATE.verdict_wait == about:
+        return
+    _STATE.verdict, _STATE.verdict_wait, _STATE.verdict_at = found["report"], about, time.monotonic()
+    if mine["state"] == "collective":  # nothing here will raise it: say it where the user looks
+        log.error("%s", found["report"])
 
 
 def _evaluate(store: Any, rank: int, world: int, mine: dict[str, Any], peers: dict[int, _Peer]) -> None:
-    assert _STATE.limit is not None
     keys = [f"{_PREFIX}{r}" for r in range(world)]
     if not store.check(keys):
-        return  # a rank has not published yet: too early to tell
+        return  # a rank has not published: too early to tell, or detection is off there
     values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
     states = [json.loads(v) for v in values]
     states[rank] = mine
     now = time.monotonic()
-    threshold = _STATE.limit / 2 - 2 * _beat()
-    lines = []
-    blocked_everywhere = True
-    flat_keys = set()
+    exited: set[int] = set()
     for r, s in enumerate(states):
-        peer = peers.setdefault(r, _Peer())
-        if r != rank and s["beat"] != peer.beat:
-            peer.beat, peer.changed = s["beat"], now
-        silent = r != rank and now - peer.changed >= max(3 * _beat(), threshold)
-        if silent:
-            lines.append(
-                f"  rank {r}: no heartbeat for {now - peer.changed:.0f} s (its process stopped, exited, "
-                f"or holds the interpreter lock); last seen: {s['where']}"
-            )
-            flat_keys.add("silent")
+        if r == rank:
             continue
-        if s["state"] == "running" or s["blocked_s"] < threshold:
-            blocked_everywhere = False
-            break
-        kind = "waits in" if s["state"] == "flat" else "is blocked in"
-        lines.append(f"  rank {r} {kind} {s['where']} for {s['blocked_s']:.0f} s")
-        flat_keys.add(json.dumps(s["key"]) if s["state"] == "flat" else f"foreign {r}")
-    if not blocked_everywhere or len(flat_keys) < 2:
-        return  # someone runs (a slow rank), or all wait in the same collective (the transport's business)
-    report = (
-        f"flatshard: the ranks' collectives no longer pair up; no rank has made progress for "
-        f"{_STATE.limit / 2:.0f} s or more:\n" + "\n".join(lines) + "\n"
+        peer = peers.setdefault(r, _Peer())
+        if s["beat"] != peer.beat:
+            peer.beat, peer.changed = s["beat"], now
+        if s["state"] == "exited" or (s.get("host") == mine["host"] and not _alive(s.get("pid"))):
+            exited.add(r)
+        elif now - peer.changed > max(3 * s["interval"], 1.0) + 2 * _beat():
+            return  # silent, but not known to be gone: stopped, or holding the interpreter lock
+    for r, s in enumerate(states):
+        if r not in exited and (
+            s["state"] == "running" or s["blocked_s"] < s["limit"] / 2 - 2 * s["interval"]
+        ):
+            return  # a rank is working, or has waited too briefly to tell: it may yet come
+    if not any(s["state"] in ("flat", "labelled") for r, s in enumerate(states) if r not in exited):
+        return  # no collective of flatshard's: the process group's timeout applies
+    if any(_can_complete(s, states, exited) for r, s in enumerate(states) if r not in exited):
+        return  # a collective is in flight: slow, not stuck
+    report = _report(states, exited)
+    waits = {str(r): s.get("wait") for r, s in enumerate(states) if r not in exited}
+    store.set(_VERDICT_KEY, json.dumps({"waits": waits, "report": report}))
+    _adopt({"waits": waits, "report": report}, rank, mine)
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # not ours to signal: it exists
+        return True
+    return True
+
+
+def _can_complete(state: dict[str, Any], states: list[dict[str, Any]], exited: set[int]) -> bool:
+    """Whether a rank's wait could still end: see [Note: finding a desync]."""
+    group = state.get("group")
+    if group is None:
+        return True  # unknown group: no evidence
+    if any(m in exited for m in group):
+        return False
+    if state["state"] == "flat":
+        wanted = [state["seq"], *state["signature"]]
+        for m in group:
+            kept = states[m].get("issued", {}).get(state["name"], [])
+            last = max((entry[0] for entry in kept), default=0)
+            if last < state["seq"]:
+                return False  # this member has not issued it
+            same = [entry for entry in kept if entry[0] == state["seq"]]
+            if same and same[0] != wanted:
+                return False  # it issued a different collective under that number
+        return True
+    name, seq, op = state.get("name"), state.get("c10d_seq") or 0, state.get("op")
+    if not name or seq <= 0 or op == "p2p":
+        return True  # no number to compare: no evidence
+    for m in group:
+        theirs = states[m]
+        issued = theirs.get("c10d", {}).get(name)
+        if issued is None:
+            return True  # this member's count is unknown: no evidence
+        if issued < seq:
+            return False  # it has not issued this collective, and it is blocked elsewhere
+        at_same = theirs.get("name") == name and theirs.get("c10d_seq") == seq
+        if at_same and theirs.get("op") not in (None, "", "p2p", op):
+            return False  # its collective with this number is of another kind: they cannot pair
+    return True
+
+
+def _report(states: list[dict[str, Any]], exited: set[int]) -> str:
+    lines = []
+    for r, s in enumerate(states):
+        if r in exited:
+            lines.append(f"  rank {r}: exited; last seen: {s.get('where', 'its exit')}")
+        elif s["state"] == "collective":
+            lines.append(f"  rank {r} is blocked in {s['where']} for {s['blocked_s']:.0f} s")
+        else:
+            lines.append(f"  rank {r} waits in {s['where']} for {s['blocked_s']:.0f} s")
+    waited = min((s["blocked_s"] for r, s in enumerate(states) if r not in exited), default=0.0)
+    return (
+        f"flatshard: the ranks' collectives can no longer pair up; no rank has made progress for "
+        f"{waited:.0f} s or more:\n" + "\n".join(lines) + "\n"
         "HINT: every rank must run the same sharded forwards and backwards in the same order. A rank that "
         "skipped a training step or a batch (uneven data: give every rank the same number of training "
         "batches; for evaluation use flatshard.join), ran a different branch of the model, or went on to "
         "a collective of its own (a metric reduction, a barrier) leaves the others waiting. The limit is "
-        "the desync_timeout option (FLATSHARD_DESYNC_TIMEOUT)."
+        f"the desync_timeout option ({ENV})."
     )
-    if not store.check([_VERDICT_KEY]):
-        store.set(_VERDICT_KEY, report)
-    _adopt(store.get(_VERDICT_KEY).decode())
