@@ -1,17 +1,24 @@
 """``_killed_save_worker.py``'s sharded loop with asynchronous saves, for ``test_killed_async_save.py``:
 
-    python _killed_async_save_worker.py CKPT_PATH MARKER_DIR MAX_SAVES
+    python _killed_async_save_worker.py CKPT_PATH MARKER_DIR MAX_SAVES [--width W] [--kill RANK:write:SAVE]
 
 2 gloo ranks save with :class:`flatshard.checkpoint.AsyncSaver` and train on while each save is written. Rank 0
 writes ``expect-i.json`` before save ``i``, ``returned-i.json`` once it has returned (the write goes on in the
 background) and ``done-i.json`` (digests of the completed directory's files) after waiting for it, which
 happens before save ``i + 1`` starts.
+
+``--width`` and ``--kill`` as in ``_killed_save_worker.py``: rank ``RANK``'s writer thread kills the process when
+it starts writing save ``SAVE``'s data file; the other rank waits for that save at once (no training step in
+between, whose collectives would fail first) and reports what the wait raised.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import os
 import sys
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -24,19 +31,29 @@ from _killed_save_worker import (
     build_model,
     build_optimizer,
     file_digests,
+    parse_args,
+    parse_kill,
+    save_while_killed,
     state_digest,
 )
 
 TRAIN_STEPS_WHILE_WRITING = 3
 
 
-def save_loop(rank: int, world: int, path: str, marker_dir: str, max_saves: int) -> None:
+def _save_and_wait(saver: Any, checkpoint: dict[str, Any], path: str) -> None:
+    saver.save(checkpoint, path)
+    saver.wait()
+
+
+def save_loop(rank: int, world: int, args: argparse.Namespace) -> None:
     import flatshard
     from flatshard.checkpoint import AsyncSaver
     from flatshard.engine import sharded_model_state_dict, sharded_optim_state_dict
 
     torch.set_num_threads(1)
-    model = build_model()
+    path, marker_dir, max_saves = args.path, args.marker_dir, args.max_saves
+    killing = parse_kill(args.kill)
+    model = build_model(args.width)
     flatshard.shard(model, auto_wrap_policy={nn.Linear})
     opt = build_optimizer(model)
     saver = AsyncSaver()
@@ -53,6 +70,11 @@ def save_loop(rank: int, world: int, path: str, marker_dir: str, max_saves: int)
             "optimizer_states": [sharded_optim_state_dict(model, opt)],
             "save": i,
         }
+        if killing is not None and killing[2] == i:  # the kill happens in the writer thread this save starts
+            save_while_killed(
+                rank, marker_dir, killing, functools.partial(_save_and_wait, saver, checkpoint, path)
+            )
+            return
         saver.save(checkpoint, path)
         del checkpoint
         if rank == 0:
@@ -68,8 +90,7 @@ def save_loop(rank: int, world: int, path: str, marker_dir: str, max_saves: int)
 def main() -> None:
     from flatshard.testing import spawn
 
-    path, marker_dir, max_saves = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    spawn(save_loop, SHARDED_WORLD, path, marker_dir, max_saves, timeout=600.0)
+    spawn(save_loop, SHARDED_WORLD, parse_args(sys.argv[1:], "path", "marker_dir"), timeout=600.0)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import torch
 import flatshard
 from flatshard.checkpoint import CheckpointError, is_sharded_checkpoint
 
-from ._killed_save_worker import build_model, build_optimizer, file_digests, state_digest
+from ._killed_save_worker import WIDTH, build_model, build_optimizer, file_digests, state_digest
 
 WORKER = Path(__file__).with_name("_killed_save_worker.py")
 MAX_SAVES = 30  # the worker stops by itself after this many saves if it is never killed
@@ -130,10 +130,10 @@ def _run_until_killed_mid_save(kind: str, path: Path, markers: Path) -> dict[str
     }
 
 
-def _fresh_sharded_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _fresh_sharded_model(width: int = WIDTH) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Another initialisation, sharded in this process (one rank, the whole model as one unit)."""
     torch.manual_seed(1)
-    model = build_model()
+    model = build_model(width)
     for p in model.parameters():
         torch.nn.init.normal_(p)
     flatshard.shard(model)

@@ -149,12 +149,14 @@ def test_replacing_a_checkpoint_on_s3_keeps_the_old_one_until_the_new_metadata_i
 
     with monkeypatch.context() as mp:
         mp.setattr(remote_dcp.RemoteWriter, "finish", killed)
-        with pytest.raises(CheckpointError, match="could not write the sharded checkpoint"):
+        with pytest.raises(
+            CheckpointError, match="failed on rank 0: RuntimeError: killed before the metadata"
+        ):
             flatshard.save_checkpoint(
                 url, new_model, new_optimizer, state_dict_type="sharded", extra={"step": 2}
             )
-    # The new data objects are there, but the old metadata still names only the old ones: the old checkpoint.
-    assert len([o for o in _objects(url) if o.endswith(".distcp")]) == 2
+    # The failed save removed its data objects; the old metadata names the old ones: the old checkpoint.
+    assert len([o for o in _objects(url) if o.endswith(".distcp")]) == 1
     fresh, fresh_optimizer = trained_tinygpt(seed=123, steps=0)
     assert flatshard.load_checkpoint(url, fresh, fresh_optimizer) == {"step": 1}
     _assert_same_state(_full_state(fresh, fresh_optimizer), _full_state(old_model, old_optimizer))

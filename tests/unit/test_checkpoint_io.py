@@ -48,11 +48,12 @@ def test_atomic_save_removes_temporaries_of_dead_processes(tmp_path: Path) -> No
     host = socket.gethostname()
     stale = tmp_path / f".a.ckpt.{host}-{dead.pid}.x1y2.tmp"
     live = tmp_path / f".a.ckpt.{host}-{os.getpid()}.x1y2.tmp"  # a save in progress: left alone
-    other = tmp_path / f".b.ckpt.{host}-{dead.pid}.x1y2.tmp"  # another checkpoint's: left alone
-    for f in (stale, live, other):
+    other = tmp_path / f".b.ckpt.{host}-{dead.pid}.x1y2.tmp"  # another checkpoint's, a dead run's: removed
+    other_live = tmp_path / f".b.ckpt.{host}-{os.getpid()}.x1y2.tmp"  # another checkpoint's, in progress
+    for f in (stale, live, other, other_live):
         f.write_bytes(b"partial")
     atomic_save({"w": torch.ones(1)}, path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["a.ckpt", live.name, other.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["a.ckpt", live.name, other_live.name])
 
 
 def test_failed_save_keeps_previous_checkpoint(tmp_path: Path) -> None:

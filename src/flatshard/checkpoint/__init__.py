@@ -5,7 +5,7 @@ Two formats, told apart by what is on disk:
 - **full**: one ``torch.save`` file, a plain Lightning checkpoint (``state_dict``, ``optimizer_states`` in
   the plain optimizers' format, plus whatever else the checkpoint dict holds). Written by rank 0.
 - **sharded**: a ``torch.distributed.checkpoint`` directory, written by every rank without tensor
-  communication (see ``flatshard/checkpoint/sharded.py``).
+  communication (see ``flatshard/checkpoint/sharded.py`` and ``write_sharded.py``).
 
 Both load into a sharded module on any world size and wrap policy, and both are validated completely
 (keys, shapes, optimizer groups, truncated or missing files, format version) before anything changes.
@@ -19,9 +19,11 @@ from flatshard.checkpoint.export import export_safetensors, load_safetensors
 from flatshard.checkpoint.files import atomic_save, load_checkpoint_file, write_full_checkpoint
 from flatshard.checkpoint.load import load_checkpoint, load_into
 from flatshard.checkpoint.save import StateDictType, save_checkpoint
-from flatshard.checkpoint.sharded import ShardedReader, is_sharded_checkpoint, write_sharded_checkpoint
+from flatshard.checkpoint.save_round import gather_for_save
+from flatshard.checkpoint.sharded import ShardedReader, is_sharded_checkpoint
 from flatshard.checkpoint.storage import is_url, locate, remove_checkpoint, size_of
-from flatshard.checkpoint.validate import check_required
+from flatshard.checkpoint.validate import check_required, check_state_dict_kinds
+from flatshard.checkpoint.write_sharded import write_sharded_checkpoint
 
 __all__ = [
     "AsyncSaver",
@@ -30,8 +32,10 @@ __all__ = [
     "StateDictType",
     "atomic_save",
     "check_required",
+    "check_state_dict_kinds",
     "consolidate",
     "export_safetensors",
+    "gather_for_save",
     "is_sharded_checkpoint",
     "is_url",
     "load_checkpoint",

@@ -11,13 +11,16 @@ prepares the hidden directory and exchanges the plans. A thread of its own then 
 rank 0, finishes.
 
 The background thread never runs a collective: collectives from two threads of one process would interleave
-with training's on the same process group. So the ranks tell rank 0 that they are done through the shared
-directory they all write into (a local sharded save already needs one, since rank 0 renames what every rank
-wrote): each writes a marker file ``.flatshard-done-<rank>`` holding its write results (or
-``.flatshard-error-<rank>`` with its error), and rank 0's thread waits for them, writes ``.metadata``, removes
-the markers and renames the directory. Nothing changes for atomicity: the checkpoint appears only complete, and
-a process killed at any point leaves the previous checkpoint of that name as it was (the next save removes the
-hidden directory it left).
+with training's on the same process group. So the ranks' threads tell each other how the write went through
+the c10d store of the default process group (see [Note: save outcomes through the store]), never through the
+storage being written (a full disk could not take a rank's error report): each thread counts itself in once its
+data file is written, handing rank 0 its write results; rank 0's thread waits for every rank, writes
+``.metadata``, renames the directory, and counts itself in at "committed", which the other ranks' threads wait
+for. A rank that fails posts its error, and a rank whose process exited, or went silent, is posted as gone by
+the rank watching it; every waiting thread then stops within seconds, rank 0 removes the hidden directory (each
+rank its own data file) and every rank's save ends with the same error. Nothing changes for atomicity: the
+checkpoint appears only complete, and a process killed at any point leaves the previous checkpoint of that name
+as it was (the next save in that folder removes the hidden directory it left, see [Note: stale temporaries]).
 
 This is flatshard's own thread rather than DCP's ``async_save``: that one runs DCP's whole ``save``, plans and
 final gather included, in its background thread, so its collectives need a process group of their own, and
@@ -25,16 +28,16 @@ its staging knows nothing of flatshard's piece entries; the local rename after e
 still need a collective at the end.
 
 At a URL (see [Note: checkpoint storage]) the same steps run without a directory to rename: every rank's thread
-writes its data object under a name unique to the save, the other ranks' markers are objects named after the
-save (``.flatshard-done-<rank>-<save id>``) that rank 0 polls, and rank 0 writes ``meta.pt`` and ``.metadata``
-last, then deletes the markers and earlier saves' data objects. Until ``.metadata`` lands the previous
-checkpoint of that name is the one a load reads; a process killed mid-save leaves only unreferenced objects,
-which the next save of that name deletes.
+writes its data object under a name unique to the save, and rank 0 writes ``meta.pt`` and ``.metadata`` last,
+then deletes earlier saves' data objects. Until ``.metadata`` lands the previous checkpoint of that name is the
+one a load reads; a failed save's data objects are deleted, and a process killed mid-save leaves only
+unreferenced objects, which the next save of that name deletes.
 
 The next save, a load and the end of training wait for the write in flight; so does the removal of the
 checkpoint being written (removing another one is safe meanwhile: a save touches only its own name and hidden
-siblings). A failed write is raised by the next of those calls, naming the path and the rank; where every rank
-calls (a save, a load) every rank raises.
+siblings). A failed write is raised by the next of those calls on every rank, naming the path, the failing
+rank and the cause. When the run fails meanwhile, the save is abandoned: its threads stop waiting and the hidden
+directory is removed.
 """
 
 from __future__ import annotations
@@ -44,8 +47,6 @@ import logging
 import os
 import pickle
 import threading
-import time
-import uuid
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -60,26 +61,24 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.utils import _DistWrapper
 
+from flatshard.checkpoint import temporaries
 from flatshard.checkpoint.dcp_layout import Names
-from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.remote_dcp import RemoteWriter, remove_stale_objects
-from flatshard.checkpoint.sharded import (
-    EXTRA_KEY,
-    SavePlanner,
-    flatten_checkpoint,
+from flatshard.checkpoint.save_round import SaveRound
+from flatshard.checkpoint.sharded import EXTRA_KEY, SavePlanner, flatten_checkpoint
+from flatshard.checkpoint.storage import Location, Remote, locate, locate_checked
+from flatshard.checkpoint.write_sharded import (
+    discard_on_failure,
+    local_writer,
     prepare_temporary,
     replace_directory,
     write_lightning_meta,
 )
-from flatshard.checkpoint.storage import Location, Remote, locate, locate_checked, storage_error
-from flatshard.checkpoint.validate import agree_on_error
 from flatshard.engine import ParamShard, global_rank
 
 __all__ = ["PEER_TIMEOUT_S", "AsyncSaver", "stage_entries"]
 
-PEER_TIMEOUT_S = 1800.0  # how long rank 0's writer thread waits for the other ranks' data files
-_POLL_S, _REMOTE_POLL_S = 0.02, 0.5  # how often rank 0 looks for the other ranks' markers
-_DONE, _ERROR = ".flatshard-done-", ".flatshard-error-"
+PEER_TIMEOUT_S = 1800.0  # how long rank 0's writer thread waits for live ranks still writing their data files
 
 log = logging.getLogger(__name__)
 
@@ -115,56 +114,13 @@ def _copy_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- one save
-class _Markers:
-    """Where the other ranks tell rank 0 they have written (see [Note: asynchronous sharded saves]): files in the
-    hidden directory every rank writes into, or objects under the checkpoint's URL named after the save."""
-
-    def __init__(self, where: Path | Remote, save_id: str = "") -> None:
-        self.where = where
-        self.suffix = f"-{save_id}" if save_id else ""
-        self.poll_s = _REMOTE_POLL_S if isinstance(where, Remote) else _POLL_S
-
-    def name(self, kind: str, rank: int) -> str:
-        return f"{kind}{rank}{self.suffix}"
-
-    def write(self, kind: str, rank: int, payload: bytes) -> None:
-        name = self.name(kind, rank)
-        if isinstance(self.where, Remote):
-            self.where.fs.pipe_file(self.where.child(name).path, payload)  # one request: whole or absent
-        else:
-            partial = self.where / f"{name}.partial"
-            partial.write_bytes(payload)
-            os.replace(partial, self.where / name)
-
-    def read(self, kind: str, rank: int) -> bytes | None:
-        name = self.name(kind, rank)
-        try:
-            if isinstance(self.where, Remote):
-                return bytes(self.where.fs.cat_file(self.where.child(name).path))
-            return (self.where / name).read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def remove(self, kind: str, rank: int) -> None:
-        name = self.name(kind, rank)
-        try:
-            if isinstance(self.where, Remote):
-                self.where.fs.rm_file(self.where.child(name).path)
-            else:
-                (self.where / name).unlink()
-        except FileNotFoundError:
-            pass
-
-
 @dataclass(eq=False)
 class _Job:
     """One save in flight: what its thread needs, and what it left."""
 
     target: Location
     tmp: Path | None  # the hidden directory of a local save
-    markers: _Markers
-    rank: int
-    world: int
+    round: SaveRound
     writer: dcp.FileSystemWriter
     planner: SavePlanner
     plan: SavePlan
@@ -173,6 +129,7 @@ class _Job:
     thread: threading.Thread | None = None
     error: BaseException | None = field(default=None)
     abandoned: threading.Event = field(default_factory=threading.Event)  # the run failed: stop waiting
+    commit: threading.Lock = field(default_factory=threading.Lock)  # the rename, or the abandonment
 
 
 def _plan(
@@ -206,74 +163,44 @@ def _plan(
 
 
 def _run(job: _Job) -> None:
-    """The background thread: this rank's data file, then (rank 0) the metadata and the rename."""
+    """The background thread: this rank's data file; on rank 0 then the metadata and the rename, once every rank
+    has written (see [Note: asynchronous sharded saves]). Ends with the save's outcome on every rank."""
+    round_ = job.round
     try:
         final = job.planner.finish_plan(job.plan)
         future = job.writer.write_data(final, job.planner)
         future.wait()
         results: list[WriteResult] = future.value()
-        if job.rank != 0:
-            job.markers.write(_DONE, job.rank, pickle.dumps(results))
-            return
-        all_results = [results, *_peer_results(job)]
-        assert job.metadata is not None
-        if job.tmp is not None:
-            write_lightning_meta(job.planner.entry(EXTRA_KEY), job.tmp)
-        job.writer.finish(job.metadata, all_results)  # at a URL: meta.pt, then .metadata
-        for rank in range(1, job.world):
-            job.markers.remove(_DONE, rank)
+        round_.arrive("written", pickle.dumps(results))
+        if round_.rank == 0:
+            round_.wait("written", job.abandoned, job.peer_timeout_s)
+            _finish(job, [pickle.loads(p) for p in round_.payloads("written")])
+        round_.agree("committed", job.abandoned)
+    except BaseException as err:  # DCP's error is a BaseException; kept for the next wait
+        with job.commit:
+            job.error = round_.fail(err)
+            job.error.__cause__ = err
+    finally:
+        round_.close()
+
+
+def _finish(job: _Job, results: list[list[WriteResult]]) -> None:
+    """Rank 0: the metadata, then the rename (or at a URL, earlier saves' objects go)."""
+    assert job.metadata is not None
+    if job.tmp is not None:
+        write_lightning_meta(job.planner.entry(EXTRA_KEY), job.tmp)
+    with job.commit:  # an abandoned save is never renamed into place
+        if job.abandoned.is_set():
+            raise RuntimeError("the run failed, so the save was abandoned")
+        job.writer.finish(job.metadata, results)  # at a URL: meta.pt, then .metadata
         if isinstance(job.target, Remote):
+            job.round.committed()
             assert isinstance(job.writer, RemoteWriter)
             remove_stale_objects(job.target, keep=set(job.writer.written))
         else:
             assert job.tmp is not None
             replace_directory(job.tmp, job.target)
-    except BaseException as err:  # DCP's error is a BaseException; kept for the next wait
-        job.error = err
-        if job.rank != 0:
-            try:
-                job.markers.write(_ERROR, job.rank, f"{type(err).__name__}: {err}".encode())
-            except Exception:
-                pass  # rank 0 reports the timeout; this rank reports its own error
-
-
-def _peer_results(job: _Job) -> list[list[WriteResult]]:
-    """Rank 0: the other ranks' write results, read from their markers as they appear."""
-    results: dict[int, list[WriteResult]] = {}
-    deadline = time.monotonic() + job.peer_timeout_s
-    while len(results) < job.world - 1:
-        if job.abandoned.is_set():
-            raise CheckpointError(
-                "abandoned: the run failed before every rank finished writing its data file; the previous "
-                "checkpoint at this path is unchanged"
-            )
-        for rank in range(1, job.world):
-            if rank in results:
-                continue
-            error = job.markers.read(_ERROR, rank)
-            if error is not None:
-                raise CheckpointError(f"rank {rank} could not write its data file ({error.decode()})")
-            done = job.markers.read(_DONE, rank)
-            if done is not None:
-                results[rank] = pickle.loads(done)
-        if len(results) < job.world - 1:
-            if time.monotonic() > deadline:
-                missing = [r for r in range(1, job.world) if r not in results]
-                raise CheckpointError(
-                    f"ranks {missing} did not finish writing their data files within {job.peer_timeout_s:.0f} s "
-                    f"(no {job.markers.name(_DONE, missing[0])} marker in {job.markers.where}; every rank must "
-                    "see the same storage)"
-                )
-            time.sleep(job.markers.poll_s)
-    return [results[r] for r in range(1, job.world)]
-
-
-def _agreed_save_id() -> str:
-    """Rank 0's new save id, on every rank (collective when a process group exists)."""
-    ids = [uuid.uuid4().hex[:12]]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(ids, src=0)
-    return ids[0]
+            job.round.committed()
 
 
 # ---------------------------------------------------------------------------------------------- the saver
@@ -281,7 +208,8 @@ class AsyncSaver:
     """Sharded saves written in the background, one at a time (see [Note: asynchronous sharded saves]).
 
     Args:
-        peer_timeout_s: how long rank 0's writer thread waits for the other ranks' data files. Default: 1800.
+        peer_timeout_s: how long rank 0's writer thread waits for ranks that are alive but still writing their
+            data files (a rank that failed or died is reported within seconds). Default: 1800.
     """
 
     def __init__(self, peer_timeout_s: float = PEER_TIMEOUT_S) -> None:
@@ -308,59 +236,63 @@ class AsyncSaver:
         URL)."""
         self.wait(collective=True)
         target = locate_checked(path)  # a URL's storage answers on every rank before anything is staged
-        flat = flatten_checkpoint(checkpoint, names)
-        rank = global_rank()
-        staged = stage_entries(flat.entries)
-        paths = flat.paths
-        extra = staged.get(EXTRA_KEY) if flat.extra is not None else None  # the staged copy: training goes on
-        del flat
-        tmp: Path | None = None
-        if isinstance(target, Remote):
-            save_id = _agreed_save_id()  # names the data objects and the markers alike on every rank
-            writer: dcp.FileSystemWriter = RemoteWriter(target, save_id, extra)
-            markers = _Markers(target, save_id)
-            label = target.url.rstrip("/").rsplit("/", 1)[-1]
-        else:
-            tmp = prepare_temporary(target)
-            writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True)
-            markers = _Markers(tmp)
-            label = target.name
+        round_ = SaveRound("The asynchronous save", target)
         try:
-            planner, plan, metadata = _plan(staged, paths, writer)
-        except (Exception, dcp.CheckpointException) as err:  # DCP's error is a BaseException
-            if isinstance(target, Remote):
-                raise storage_error(target, err, "plan the sharded checkpoint") from err
-            raise
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        job = _Job(target, tmp, markers, rank, world, writer, planner, plan, metadata, self.peer_timeout_s)
+            job = self._prepare(round_, target, checkpoint, names)
+        except BaseException as err:
+            round_.abort(err)
+        label = target.url.rsplit("/", 1)[-1] if isinstance(target, Remote) else target.name
         job.thread = threading.Thread(target=_run, args=(job,), name=f"flatshard-save-{label}")
         self._job = job
         job.thread.start()
         return target if isinstance(target, Path) else target.url
 
+    def _prepare(
+        self, round_: SaveRound, target: Location, checkpoint: Mapping[str, Any], names: Names | None
+    ) -> _Job:
+        """On the calling thread: the staged copy, the hidden directory and DCP's plans (collectives)."""
+        flat = flatten_checkpoint(checkpoint, names)
+        staged = stage_entries(flat.entries)
+        extra = staged.get(EXTRA_KEY) if flat.extra is not None else None  # the staged copy: training goes on
+        tmp: Path | None = None
+        if isinstance(target, Remote):
+            writer: dcp.FileSystemWriter = RemoteWriter(target, round_.id, extra)
+            discard_on_failure(round_, target)
+        else:
+            tmp = prepare_temporary(target, round_)
+            writer = local_writer(tmp)
+        round_.agree("staged")  # before DCP's collectives: a rank that failed does not enter them
+        planner, plan, metadata = _plan(staged, flat.paths, writer)
+        return _Job(target, tmp, round_, writer, planner, plan, metadata, self.peer_timeout_s)
+
     def wait(self, *, collective: bool = False) -> None:
-        """Wait for the save in flight; raise its error naming the path. ``collective``: every rank calls, and
-        every rank raises if the save failed on any (otherwise only the ranks that saw it fail raise)."""
+        """Wait for the save in flight; raise its error naming the path, the failing rank and the cause. Every
+        rank's thread ends knowing how the save went on every rank, so every rank that waits raises (``collective``
+        is kept for callers that say every rank calls)."""
         job, self._job = self._job, None
         if job is None:
             return
         assert job.thread is not None
         job.thread.join()
-        error = None if job.error is None else _failed(job)
-        if collective:
-            agree_on_error(error, f"The asynchronous save of {job.target}")
-        elif error is not None:
-            raise error
+        if job.error is not None:
+            raise job.error
 
     def abandon(self, timeout_s: float = 10.0) -> None:
         """The run failed: stop waiting for peers that may never finish, give the writer ``timeout_s`` to
-        return, and forget the save (its hidden directory is never renamed into place, so a previous checkpoint
-        at that path stays intact). Never raises; nothing collective."""
+        return, and forget the save. Its hidden directory is never renamed into place, so a previous checkpoint
+        at that path stays intact, and it is removed (by rank 0's thread, or here if that thread is stuck
+        writing). Never raises; nothing collective."""
         job, self._job = self._job, None
         if job is None or job.thread is None:
             return
         job.abandoned.set()
         job.thread.join(timeout=timeout_s)
+        if job.thread.is_alive() and job.tmp is not None and global_rank() == 0:
+            if job.commit.acquire(timeout=timeout_s):  # not while it renames; it never renames after this
+                try:
+                    temporaries.remove(job.tmp)
+                finally:
+                    job.commit.release()
 
     def wait_for(self, path: str | os.PathLike[str]) -> None:
         """Wait (on this rank) if the save in flight writes ``path``; before removing it, for instance."""
@@ -373,15 +305,3 @@ def _same_location(a: Location, b: Location) -> bool:
     if isinstance(a, Remote) or isinstance(b, Remote):
         return isinstance(a, Remote) and isinstance(b, Remote) and a.url.rstrip("/") == b.url.rstrip("/")
     return os.path.abspath(a) == os.path.abspath(b)
-
-
-def _failed(job: _Job) -> CheckpointError:
-    err = job.error
-    assert err is not None
-    failure = CheckpointError(
-        f"The asynchronous save of {job.target} failed on rank {job.rank} ({type(err).__name__}: {err}). That "
-        "checkpoint was not written; a previous checkpoint at that path is unchanged. HINT: fix the cause (disk "
-        "space, permissions, a directory every rank sees) and save again; the training state is unaffected."
-    )
-    failure.__cause__ = err
-    return failure

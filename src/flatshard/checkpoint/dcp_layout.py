@@ -38,7 +38,7 @@ are compared with torch's wrapper segments (``_orig_mod.``, ``_checkpoint_wrappe
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -56,6 +56,7 @@ __all__ = [
     "group_root",
     "optimizer_state_entries",
     "split_pieces",
+    "unclaimed_keys",
 ]
 
 LIGHTNING_META = "meta.pt"  # Lightning's strategies keep a sharded checkpoint's other entries here
@@ -215,6 +216,8 @@ class Layout:
             its state.
         extra_key: the object entry holding the rest of the checkpoint, if any (else ``meta.pt`` or nothing).
         saved_optimizers: whether optimizer states were saved at all (a list, possibly empty).
+        unclaimed: keys stored under the model's name (relative to it) that no key of the model maps to (for
+            flatshard's layouts: that the saved key list does not name); strict loading refuses them.
     """
 
     version: int
@@ -223,6 +226,7 @@ class Layout:
     optimizers: list[tuple[str, dict[str, tuple[str, str]]]] = field(default_factory=list)
     extra_key: str | None = None
     saved_optimizers: bool = True  # False: the checkpoint holds no optimizer states at all
+    unclaimed: list[str] = field(default_factory=list)
 
     @property
     def num_optimizers(self) -> int | None:
@@ -240,6 +244,11 @@ def optimizer_state_entries(entries: Iterable[str], prefix: str) -> dict[str, tu
             if name:
                 out[fqn] = (name, key)
     return out
+
+
+def unclaimed_keys(entries: Iterable[str], prefix: str, known: Collection[str]) -> list[str]:
+    """The keys stored under ``prefix`` (relative to it) that are not in ``known``."""
+    return [f[len(prefix) :] for f in entries if f.startswith(prefix) and f[len(prefix) :] not in known]
 
 
 def group_root(fqn: str) -> str | None:
@@ -267,6 +276,8 @@ def foreign_layout(
     candidates = ([names.model + "."] if names is not None and names.model else []) + list(_MODEL_PREFIXES)
     candidates = list(dict.fromkeys(candidates))
     model: dict[str, str] | None = None
+    wanted: dict[str, str] = {}
+    model_prefix = ""
     if module_keys is not None:
         wanted = {canonical(k): k for k in module_keys}
         best: dict[str, str] = {}
@@ -278,7 +289,7 @@ def foreign_layout(
                     if own is not None:
                         found.setdefault(own, fqn)
             if len(found) > len(best):
-                best = found
+                best, model_prefix = found, prefix
         model = {k: best[k] for k in module_keys if k in best}
     else:
         for prefix in candidates[:-1]:  # never the empty prefix: it would take every entry as the model's
@@ -300,4 +311,29 @@ def foreign_layout(
             break
         optimizers.append((found_prefix + "param_groups", optimizer_state_entries(keys, found_prefix)))
         k += 1
-    return Layout(version=0, model=model, optimizers=optimizers, saved_optimizers=bool(optimizers))
+    unclaimed = _foreign_unclaimed(keys, model_prefix, wanted, optimizers) if model else []
+    return Layout(
+        version=0, model=model, optimizers=optimizers, saved_optimizers=bool(optimizers), unclaimed=unclaimed
+    )
+
+
+def _foreign_unclaimed(
+    keys: Sequence[str],
+    prefix: str,
+    wanted: Mapping[str, str],
+    optimizers: Sequence[tuple[str, Mapping[str, tuple[str, str]]]],
+) -> list[str]:
+    """A foreign layout's :attr:`Layout.unclaimed`: the keys under the model's prefix that match no key of the
+    model (wrapper segments ignored), other than the optimizers' entries. Under no prefix the directory may hold
+    other components' entries too (a scheduler, a data loader), so only names below one of the model's own
+    top-level names count."""
+    claimed = {fqn for _, state in optimizers for fqn in state}
+    tops = {k.partition(".")[0] for k in wanted}
+    out = []
+    for fqn in keys:
+        if not fqn.startswith(prefix) or fqn in claimed or group_root(fqn) is not None:
+            continue
+        key = canonical(fqn[len(prefix) :])
+        if key not in wanted and (prefix or key.partition(".")[0] in tops):
+            out.append(fqn[len(prefix) :])
+    return out

@@ -11,16 +11,17 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import socket
 import tempfile
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
+from flatshard.checkpoint import temporaries
 from flatshard.checkpoint.errors import CheckpointError
+from flatshard.checkpoint.save_round import SaveRound
 from flatshard.checkpoint.storage import (
     Remote,
     incomplete_error,
@@ -29,15 +30,16 @@ from flatshard.checkpoint.storage import (
     remote_kind,
     storage_error,
 )
-from flatshard.checkpoint.validate import agree_on_error
 from flatshard.engine import ParamShard, global_rank
 
 __all__ = [
     "CheckpointError",
+    "RecordingFile",
     "atomic_save",
     "atomic_write",
     "fsync_dir",
     "load_checkpoint_file",
+    "recording",
     "write_full_checkpoint",
 ]
 
@@ -48,17 +50,16 @@ def write_full_checkpoint(checkpoint: Any, path: str | os.PathLike[str] | Remote
     """Every rank calls; rank 0 writes ``checkpoint`` to ``path`` (a file or a URL) with :func:`atomic_save`.
 
     A URL's storage is checked on every rank first (see [Note: checkpoint storage]); if the write fails on
-    rank 0, every rank raises instead of the others waiting for it. Returns the path (the URL for a URL).
+    rank 0, every rank raises its error within seconds instead of waiting for it (see
+    [Note: save outcomes through the store]). Returns the path (the URL for a URL).
     """
     _refuse_pieces(checkpoint)
     location = locate_checked(path)
-    error: BaseException | None = None
-    if global_rank() == 0:
-        try:
+    check = (lambda: _refuse_directory(location)) if global_rank() == 0 else None
+    with SaveRound("The full save", location, check) as round_:
+        if global_rank() == 0:
             atomic_save(checkpoint, location)
-        except Exception as err:
-            error = err
-    agree_on_error(error, "Saving the checkpoint")
+        round_.agree("written")
     return location if isinstance(location, Path) else location.url
 
 
@@ -92,26 +93,26 @@ def atomic_write(path: str | os.PathLike[str] | Remote, write: Callable[[IO[byte
     old file intact; at a URL in an fsspec transaction, so the object appears whole or not at all.
 
     The file gets the permissions ``open()`` would give it (those of the file it replaces, else
-    ``0o666`` less the umask), and temporary files left by an earlier save of the same name on this host
-    whose process is gone are removed. A :class:`CheckpointError` raised by ``write`` passes unchanged; other
-    errors at a URL are reported naming it. Returns the path (the URL for a URL).
+    ``0o666`` less the umask). Hidden temporaries that dead runs left in the folder are removed first (see
+    [Note: stale temporaries]); a failed write removes its own. A :class:`CheckpointError` raised by ``write``
+    passes unchanged; other errors at a URL are reported naming it. Returns the path (the URL for a URL).
     """
     target = locate(path)
+    _refuse_directory(target)
     if isinstance(target, Remote):
         return _write_remote(target, write)
-    if target.is_dir():
-        raise IsADirectoryError(f"Cannot write the checkpoint {target}: a directory of that name exists.")
     target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(target)
+    temporaries.sweep(target.parent)
     mode = target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_umask()
     fd, tmp_name = tempfile.mkstemp(
-        prefix=f"{_temp_prefix(target)}{os.getpid()}.", suffix=".tmp", dir=target.parent
+        prefix=temporaries.temp_file_prefix(target), suffix=".tmp", dir=target.parent
     )
     try:
         with os.fdopen(fd, "wb") as f:
             if hasattr(os, "fchmod"):
                 os.fchmod(f.fileno(), mode)
-            write(f)
+            with recording(f) as recorded:
+                write(recorded)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_name, target)
@@ -123,14 +124,58 @@ def atomic_write(path: str | os.PathLike[str] | Remote, write: Callable[[IO[byte
     return target
 
 
-def _write_remote(target: Remote, write: Callable[[IO[bytes]], None]) -> str:
-    if remote_kind(target) in ("sharded", "incomplete"):
-        raise IsADirectoryError(
-            f"Cannot write the checkpoint {target.url}: a directory (sharded checkpoint) of that name exists."
-        )
+class RecordingFile:
+    """A file whose writes keep the first ``OSError`` they raised: ``torch.save`` reports one (a full disk, a
+    dropped connection) only as "unexpected pos", so :func:`recording` raises the recorded one instead."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return int(self._f.write(data))
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+@contextlib.contextmanager
+def recording(f: Any) -> Iterator[Any]:
+    """``f`` as a :class:`RecordingFile`; an error inside that stands for a write's ``OSError`` is raised as it."""
+    recorded = RecordingFile(f)
     try:
-        with target.fs.transaction, target.fs.open(target.path, "wb") as f:  # committed on success only
-            write(f)
+        yield recorded
+    except Exception as err:
+        if recorded.error is not None and not isinstance(err, (OSError, CheckpointError)):
+            raise recorded.error from err
+        raise
+
+
+def _refuse_directory(target: Path | Remote) -> None:
+    hint = (
+        "HINT: save to another path, or remove it first (flatshard.checkpoint.remove_checkpoint); nothing was "
+        "written."
+    )
+    if isinstance(target, Remote):
+        if remote_kind(target) in ("sharded", "incomplete"):
+            raise IsADirectoryError(
+                f"Cannot write the checkpoint {target.url}: a directory (sharded checkpoint) of that name exists. "
+                + hint
+            )
+    elif target.is_dir():
+        raise IsADirectoryError(
+            f"Cannot write the checkpoint {target}: a directory of that name exists. {hint}"
+        )
+
+
+def _write_remote(target: Remote, write: Callable[[IO[bytes]], None]) -> str:
+    try:
+        with target.fs.transaction, target.fs.open(target.path, "wb") as f, recording(f) as recorded:
+            write(recorded)  # committed on success only
     except CheckpointError:
         raise
     except Exception as err:
@@ -138,37 +183,6 @@ def _write_remote(target: Remote, write: Callable[[IO[bytes]], None]) -> str:
     finally:
         target.refresh()
     return target.url
-
-
-def _temp_prefix(target: Path) -> str:
-    return f".{target.name}.{socket.gethostname()}-"
-
-
-def _remove_stale_temporaries(target: Path) -> None:
-    """Delete ``.NAME.HOST-PID.*.tmp`` files of this host whose process no longer runs (a killed save)."""
-    prefix = _temp_prefix(target)
-    try:
-        names = os.listdir(target.parent)
-    except OSError:
-        return
-    for name in names:
-        if not (name.startswith(prefix) and name.endswith(".tmp")):
-            continue
-        pid_text = name[len(prefix) :].split(".", 1)[0]
-        if not pid_text.isdigit() or _alive(int(pid_text)):
-            continue
-        with contextlib.suppress(OSError):
-            os.unlink(target.parent / name)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def _umask() -> int:

@@ -19,7 +19,12 @@ from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.files import load_checkpoint_file
 from flatshard.checkpoint.load_sharded import load_sharded
 from flatshard.checkpoint.storage import Location, Remote, locate_checked, remote_kind
-from flatshard.checkpoint.validate import agree_on_error, check_optimizer_count, check_required
+from flatshard.checkpoint.validate import (
+    agree_on_error,
+    check_optimizer_count,
+    check_required,
+    check_state_dict_kinds,
+)
 from flatshard.engine import (
     check_full_model_state_dict,
     convert_full_optim_state_dict,
@@ -36,6 +41,7 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     *,
     strict: bool = True,
+    allow_dtype_kind_cast: bool = False,
 ) -> dict[str, Any]:
     """Load a full file or sharded directory (a local path or an fsspec URL) into ``module`` (and optimizers)
     on any world size.
@@ -43,9 +49,23 @@ def load_checkpoint(
     Call on every rank. Returns the checkpoint's other entries (without ``state_dict`` and
     ``optimizer_states``). Raises :class:`CheckpointError` naming the file before anything changes if the
     checkpoint is damaged or does not fit.
+
+    Args:
+        strict: refuse keys the model (or, in a directory, the optimizer) does not have, and keys it lacks.
+            Default: ``True``.
+        allow_dtype_kind_cast: load a tensor stored as an integer into a floating-point parameter or the
+            reverse (bool likewise), cast. A cast within a kind (float32 into bfloat16) always loads.
+            Default: ``False`` (refused, naming the key and both dtypes).
     """
     optimizers = optimizer_list(optimizer)
-    return load_into(path, module, optimizers, strict=strict, load_optimizer_states=bool(optimizers))
+    return load_into(
+        path,
+        module,
+        optimizers,
+        strict=strict,
+        load_optimizer_states=bool(optimizers),
+        allow_dtype_kind_cast=allow_dtype_kind_cast,
+    )
 
 
 def load_into(
@@ -58,17 +78,37 @@ def load_into(
     weights_only: bool | None = None,
     required: Collection[str] = (),
     names: Names | None = None,
+    allow_dtype_kind_cast: bool = False,
 ) -> dict[str, Any]:
     """The loader behind the strategies: dispatch on the format, validate everything, then apply.
 
     Returns the checkpoint dict without ``state_dict`` / ``optimizer_states``. Entries named in
     ``required`` must be in it: a ``KeyError`` before anything is applied otherwise. ``names``: the names a
     Fabric state gives the model and optimizers, tried first in another tool's sharded checkpoint.
+    ``allow_dtype_kind_cast``: see :func:`load_checkpoint`.
     """
     location = locate_checked(path)  # a URL: every rank reaches its storage, or every rank raises
     if _is_directory(location):
-        return load_sharded(location, module, optimizers, strict, load_optimizer_states, required, names)
-    return _load_full(location, module, optimizers, strict, load_optimizer_states, weights_only, required)
+        return load_sharded(
+            location,
+            module,
+            optimizers,
+            strict,
+            load_optimizer_states,
+            required,
+            names,
+            allow_dtype_kind_cast,
+        )
+    return _load_full(
+        location,
+        module,
+        optimizers,
+        strict,
+        load_optimizer_states,
+        weights_only,
+        required,
+        allow_dtype_kind_cast,
+    )
 
 
 def _is_directory(location: Location) -> bool:
@@ -88,6 +128,7 @@ def _load_full(
     with_optim: bool,
     weights_only: bool | None,
     required: Collection[str],
+    allow_cast: bool,
 ) -> dict[str, Any]:
     error: BaseException | None = None
     checkpoint: dict[str, Any] = {}
@@ -103,6 +144,7 @@ def _load_full(
             states = checkpoint.get("optimizer_states")
             check_optimizer_count(path, None if states is None else len(states), optimizers)
         check_full_model_state_dict(module, checkpoint["state_dict"], strict=strict, source=str(path))
+        check_state_dict_kinds(path, module, checkpoint["state_dict"], allow_cast)
         if with_optim:
             local_optim = [
                 convert_full_optim_state_dict(module, opt, st, source=f"{path} (optimizer #{i})")

@@ -17,7 +17,12 @@ from flatshard.checkpoint.dcp_layout import Layout, Names, canonical, fill_piece
 from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.sharded import OBJECT, ShardedReader
 from flatshard.checkpoint.storage import Location
-from flatshard.checkpoint.validate import agree_on_error, check_optimizer_count, check_required
+from flatshard.checkpoint.validate import (
+    agree_on_error,
+    check_dtype_kinds,
+    check_optimizer_count,
+    check_required,
+)
 from flatshard.engine import (
     ParamShard,
     local_param_targets,
@@ -32,9 +37,12 @@ __all__ = ["load_sharded"]
 
 
 def _model_targets(
-    reader: ShardedReader, layout: Layout, module: nn.Module, strict: bool
+    reader: ShardedReader, layout: Layout, module: nn.Module, strict: bool, allow_cast: bool
 ) -> tuple[dict[str, Any], dict[str, list[str]]]:
-    """DCP targets for the model: fqn -> ParamShard / tensor / OBJECT, and fqn -> the state-dict keys it fills."""
+    """DCP targets for the model: fqn -> ParamShard / tensor / OBJECT, and fqn -> the state-dict keys it fills.
+
+    Under ``strict``, the keys stored under the model's name that the model does not have are refused too (see
+    :attr:`Layout.unclaimed`); a dtype of another kind than the model's is refused unless ``allow_cast``."""
     if not layout.model:
         where = "" if reader.version else " under any of the model's keys"
         raise CheckpointError(
@@ -45,6 +53,8 @@ def _model_targets(
     saved = layout.model
     missing = [k for k in own if k not in saved]
     unexpected = [k for k in saved if k not in own]
+    listed = set(unexpected)
+    unexpected += [k for k in layout.unclaimed if k not in listed]
     if strict and (missing or unexpected):
         raise CheckpointError(
             f"Sharded checkpoint {reader.path} does not match {type(module).__name__}: missing keys "
@@ -55,6 +65,7 @@ def _model_targets(
     targets: dict[str, Any] = {}
     keys: dict[str, list[str]] = {}
     problems = []
+    kinds: list[tuple[str, torch.dtype, torch.dtype]] = []  # (fqn, stored, loads into)
     for key, value in own.items():
         if key not in saved:
             continue
@@ -63,7 +74,8 @@ def _model_targets(
             targets[fqn] = OBJECT
             keys.setdefault(fqn, []).append(key)
             continue
-        if reader.tensor_meta(fqn) is None:
+        md = reader.tensor_meta(fqn)
+        if md is None:
             problems.append(f"{key!r} has no data in the checkpoint")
             continue
         if not isinstance(value, torch.Tensor):
@@ -79,6 +91,7 @@ def _model_targets(
             continue
         if fqn not in targets:
             targets[fqn] = _target(reader, fqn, shard, full_shape, tensor.dtype, tensor.device)
+            kinds.append((fqn, md.properties.dtype, tensor.dtype))
         keys.setdefault(fqn, []).append(key)
     if problems:
         raise CheckpointError(
@@ -86,6 +99,7 @@ def _model_targets(
             f"{' ...' if len(problems) > 8 else ''}. HINT: load a checkpoint of the same model architecture. "
             "Nothing was loaded."
         )
+    check_dtype_kinds(f"{reader.path} (model)", kinds, allow_cast)
     return targets, keys
 
 
@@ -135,13 +149,21 @@ def _optim_targets(
     state_entries: dict[str, tuple[str, str]],
     k: int,
     optimizer: torch.optim.Optimizer,
+    strict: bool,
+    allow_cast: bool,
 ) -> tuple[dict[str, Any], dict[str, tuple[str, str, ParamShard | None]]]:
+    """DCP targets for optimizer ``k``'s state, and fqn -> (parameter name, state key, its shard). Under
+    ``strict``, state of a parameter the optimizer does not have is refused; elementwise state of another dtype
+    kind than its parameter's unless ``allow_cast``."""
     names = parameter_names(module)
     by_param: dict[str, list[tuple[str, str]]] = {}
     for fqn, (name, key) in state_entries.items():
         by_param.setdefault(canonical(name), []).append((fqn, key))
+    if strict:
+        _check_stray_state(reader, module, optimizer, k, by_param)
     targets: dict[str, Any] = {}
     where: dict[str, tuple[str, str, ParamShard | None]] = {}
+    kinds: list[tuple[str, torch.dtype, torch.dtype]] = []
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in names:
@@ -165,9 +187,30 @@ def _optim_targets(
                     )
                 if elementwise:
                     targets[fqn] = _target(reader, fqn, shard, full_shape, md.properties.dtype, p.device)
+                    kinds.append((fqn, md.properties.dtype, p.dtype))
                 else:
                     targets[fqn] = torch.empty(md.size, dtype=md.properties.dtype, device="cpu")
+    check_dtype_kinds(f"{reader.path} (optimizer #{k})", kinds, allow_cast)
     return targets, where
+
+
+def _check_stray_state(
+    reader: ShardedReader,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    k: int,
+    by_param: dict[str, list[tuple[str, str]]],
+) -> None:
+    """Refuse state saved for a parameter the optimizer does not have (any of a tied parameter's names)."""
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    own = {canonical(n) for n, p in module.named_parameters(remove_duplicate=False) if id(p) in ids}
+    stray = sorted(fqn for name, entries in by_param.items() if name not in own for fqn, _ in entries)
+    if stray:
+        raise CheckpointError(
+            f"Sharded checkpoint {reader.path}: optimizer #{k} state holds entries for parameters the optimizer "
+            f"does not have: {stray[:8]} ({len(stray)} in all). HINT: load a checkpoint of the same model and "
+            "optimizer, or pass strict=False to skip them. Nothing was loaded."
+        )
 
 
 def _own_groups(
@@ -234,9 +277,11 @@ def load_sharded(
     with_optim: bool,
     required: Collection[str],
     names: Names | None = None,
+    allow_dtype_kind_cast: bool = False,
 ) -> dict[str, Any]:
     """Load a sharded checkpoint directory (any layout, see [Note: DCP-native layout]) into ``module`` and
-    ``optimizers``; every rank calls. ``names``: a Fabric state's names, tried first in a foreign layout."""
+    ``optimizers``; every rank calls. ``names``: a Fabric state's names, tried first in a foreign layout.
+    ``allow_dtype_kind_cast``: cast integer / bool / floating-point tensors into another of these kinds."""
     error: BaseException | None = None
     reader: ShardedReader | None = None
     layout = Layout(0, None)
@@ -251,7 +296,7 @@ def load_sharded(
         layout = reader.layout(
             list(module.state_dict(keep_vars=True)), names, len(optimizers) if with_optim else None
         )
-        targets, model_keys = _model_targets(reader, layout, module, strict)
+        targets, model_keys = _model_targets(reader, layout, module, strict, allow_dtype_kind_cast)
         if with_optim:
             check_optimizer_count(path, layout.num_optimizers, optimizers)
             for k, opt in enumerate(optimizers):
@@ -262,7 +307,9 @@ def load_sharded(
                 to_local_optim_state(
                     module, opt, {"state": {}, "param_groups": groups[k]}, source=f"{path} (optimizer #{k})"
                 )
-                more, where = _optim_targets(reader, module, state_entries, k, opt)
+                more, where = _optim_targets(
+                    reader, module, state_entries, k, opt, strict, allow_dtype_kind_cast
+                )
                 targets.update(more)
                 optim_where.append(where)
         extra = reader.read_extra(layout)

@@ -23,9 +23,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from flatshard.checkpoint.dcp_layout import LIGHTNING_META
+from flatshard.checkpoint.files import recording
 from flatshard.checkpoint.storage import METADATA, Remote, children
 
-__all__ = ["RemoteReader", "RemoteWriter", "remove_stale_objects"]
+__all__ = ["RemoteReader", "RemoteWriter", "remove_save_objects", "remove_stale_objects"]
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def remove_stale_objects(target: Remote, keep: set[str]) -> None:
         for name, entry in children(target).items():
             ours = name.endswith(".distcp") or name.startswith(
                 ".flatshard-"
-            )  # data objects, async save markers
+            )  # data objects, markers of older flatshard versions
             if ours and name not in keep and entry.get("type") == "file":
                 target.fs.rm_file(str(entry["name"]))
         target.refresh()
@@ -46,6 +47,22 @@ def remove_stale_objects(target: Remote, keep: set[str]) -> None:
             target.fs.rm_file(target.path)
     except Exception as err:  # the checkpoint is complete: report, do not fail the save
         log.warning("flatshard: %s is saved, but objects of its previous save remain (%s).", target.url, err)
+    finally:
+        target.refresh()
+
+
+def remove_save_objects(target: Remote, save_id: str) -> None:
+    """Delete the data objects of one save (``__<rank>_<save id>_0.distcp``), which failed before its metadata
+    was written (see [Note: save outcomes through the store]); a folder it left empty goes too. Never raises: a
+    failure leaves only unreferenced objects, which the next save of that name deletes."""
+    try:
+        for name, entry in children(target).items():
+            if name.startswith("__") and f"_{save_id}_" in name and name.endswith(".distcp"):
+                target.fs.rm_file(str(entry["name"]))
+        if not children(target) and target.fs.isdir(target.path):
+            target.fs.rmdir(target.path)
+    except Exception as err:
+        log.warning("flatshard: objects of the failed save of %s remain (%s).", target.url, err)
     finally:
         target.refresh()
 
@@ -60,8 +77,8 @@ class _FsspecFiles(dcp_filesystem.FileSystem):
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
         try:
-            with self.fs.open(os.fspath(path), mode) as stream:
-                yield stream
+            with self.fs.open(os.fspath(path), mode) as stream, recording(stream) as recorded:
+                yield recorded  # a dropped upload raised as itself, not as torch.save's "unexpected pos"
         except BaseException:
             if "r" not in mode:  # referenced by no metadata: a half-written object is only clutter
                 with contextlib.suppress(Exception):

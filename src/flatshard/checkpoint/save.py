@@ -11,7 +11,9 @@ import torch
 import torch.nn as nn
 
 from flatshard.checkpoint.files import write_full_checkpoint
-from flatshard.checkpoint.sharded import write_sharded_checkpoint
+from flatshard.checkpoint.save_round import gather_for_save
+from flatshard.checkpoint.storage import locate
+from flatshard.checkpoint.write_sharded import write_sharded_checkpoint
 from flatshard.engine import (
     get_state_dict,
     optimizer_list,
@@ -47,7 +49,8 @@ def save_checkpoint(
     checkpoint = dict(extra or {})
     optimizers = optimizer_list(optimizer)
     if state_dict_type == "full":
-        model_state, optim_states = get_state_dict(module, optimizers, rank0_only=True, cpu_offload=True)
+        with gather_for_save(locate(path)):  # a peer that dies meanwhile is named
+            model_state, optim_states = get_state_dict(module, optimizers, rank0_only=True, cpu_offload=True)
         checkpoint["state_dict"] = model_state
         if optimizers:
             checkpoint["optimizer_states"] = optim_states

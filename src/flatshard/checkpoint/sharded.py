@@ -35,8 +35,6 @@ import inspect
 import io
 import logging
 import os
-import shutil
-import uuid
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -78,10 +76,10 @@ from flatshard.checkpoint.dcp_layout import (
     foreign_layout,
     optimizer_state_entries,
     split_pieces,
+    unclaimed_keys,
 )
 from flatshard.checkpoint.errors import CheckpointError
-from flatshard.checkpoint.files import fsync_dir
-from flatshard.checkpoint.remote_dcp import RemoteReader, RemoteWriter, remove_stale_objects
+from flatshard.checkpoint.remote_dcp import RemoteReader
 from flatshard.checkpoint.storage import (
     METADATA,
     Location,
@@ -89,10 +87,9 @@ from flatshard.checkpoint.storage import (
     children,
     incomplete_error,
     locate,
-    locate_checked,
     remote_kind,
-    storage_error,
 )
+from flatshard.checkpoint.validate import check_chunks
 from flatshard.engine import ParamShard, global_rank
 from flatshard.version import __version__
 
@@ -106,9 +103,6 @@ __all__ = [
     "ShardedReader",
     "flatten_checkpoint",
     "is_sharded_checkpoint",
-    "prepare_temporary",
-    "replace_directory",
-    "write_sharded_checkpoint",
 ]
 
 FORMAT = "flatshard-sharded"
@@ -133,11 +127,6 @@ def is_sharded_checkpoint(path: str | os.PathLike[str] | Remote) -> bool:
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 # ---------------------------------------------------------------------------------------------- planners
@@ -384,91 +373,6 @@ def flatten_checkpoint(checkpoint: Mapping[str, Any], names: Names | None = None
     return Flattened(entries, paths, extra)
 
 
-def write_sharded_checkpoint(
-    checkpoint: Mapping[str, Any], path: str | os.PathLike[str] | Remote, names: Names | None = None
-) -> Path | str:
-    """Write a checkpoint dict whose ``state_dict`` / ``optimizer_states`` hold sharded state; all ranks call.
-
-    See [Note: sharded checkpoint layout]. ``path`` is a local directory or a URL; an existing checkpoint there
-    (file or directory) is replaced only once the new one is complete. ``names``: see
-    :func:`flatten_checkpoint`. Returns the path (the URL for a URL).
-    """
-    location = locate_checked(path)  # a URL's storage answers on every rank before anything is written
-    flat = flatten_checkpoint(checkpoint, names)
-    if isinstance(location, Remote):
-        return _write_remote(flat, location)
-    target = location
-    tmp = prepare_temporary(target)
-    if flat.extra is not None:
-        write_lightning_meta(flat.extra, tmp)
-    _dcp_save(flat, dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True))
-    _barrier()
-    if global_rank() == 0:
-        replace_directory(tmp, target)
-    _barrier()
-    return target
-
-
-def write_lightning_meta(extra: Mapping[str, Any], directory: Path) -> None:
-    """Rank 0: the checkpoint's other entries as ``meta.pt``, where Lightning's own strategies read them."""
-    with open(directory / LIGHTNING_META, "wb") as f:
-        torch.save(dict(extra), f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def prepare_temporary(target: Path) -> Path:
-    """The empty hidden sibling a local save of ``target`` writes into (created by rank 0); all ranks call."""
-    tmp = target.parent / f".{target.name}.flatshard-tmp"
-    if global_rank() == 0:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)  # left by an interrupted save
-        tmp.mkdir()
-    _barrier()
-    return tmp
-
-
-def replace_directory(tmp: Path, target: Path) -> None:
-    """Rank 0, once every rank's data and the metadata are in ``tmp``: rename it into place, the old one aside
-    first and deleted after (see [Note: sharded checkpoint layout])."""
-    old = target.parent / f".{target.name}.flatshard-old"
-    fsync_dir(tmp)
-    if target.exists() or target.is_symlink():
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(target, old)
-    os.replace(tmp, target)
-    fsync_dir(target.parent)
-    if old.is_dir() and not old.is_symlink():
-        shutil.rmtree(old)
-    elif old.exists() or old.is_symlink():
-        old.unlink()
-
-
-def _dcp_save(flat: Flattened, writer: dcp.FileSystemWriter) -> None:
-    with warnings.catch_warnings():
-        # Without a process group DCP warns that it assumes a single process: that is the intent.
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
-        dcp.save(flat.entries, storage_writer=writer, planner=SavePlanner(flat.entries, flat.paths))
-
-
-def _write_remote(flat: Flattened, target: Remote) -> str:
-    """A sharded checkpoint at a URL: data objects first, ``meta.pt`` and ``.metadata`` last, then earlier saves'
-    data objects go (see [Note: checkpoint storage])."""
-    writer = RemoteWriter(
-        target, uuid.uuid4().hex[:12], flat.extra
-    )  # rank 0's (the coordinator's) names every file
-    try:
-        _dcp_save(flat, writer)
-    except (Exception, dcp.CheckpointException) as err:  # DCP's error is a BaseException
-        raise storage_error(target, err, "write the sharded checkpoint") from err
-    if global_rank() == 0:
-        remove_stale_objects(target, keep=set(writer.written))
-    _barrier()
-    return target.url
-
-
 # ---------------------------------------------------------------------------------------------- reading
 class ShardedReader:
     """Reads a sharded checkpoint directory: its metadata at once, data on request. Errors name the path."""
@@ -486,6 +390,7 @@ class ShardedReader:
             ) from err
         self.entries = self.metadata.state_dict_metadata
         self._check_files()
+        check_chunks(self.path, self.metadata)  # gaps, overlaps, chunks outside (see [Note: chunk coverage])
         meta_key = next((k for k in (META_KEY, _META_KEY_V1) if k in self.entries), None)
         self.meta: dict[str, Any] = {} if meta_key is None else self.read_objects([meta_key])[meta_key]
         #: the flatshard format version; 0 for a DCP checkpoint another tool wrote (see [Note: DCP-native layout])
@@ -618,7 +523,8 @@ class ShardedReader:
                     if f.startswith(head)
                 }
                 optimizers.append((f"optim/{k}/groups", state))
-            return Layout(1, model, aliases, optimizers, _EXTRA_KEY_V1, count is not None)
+            unclaimed = unclaimed_keys(self.entries, "model/", set(keys or ()))
+            return Layout(1, model, aliases, optimizers, _EXTRA_KEY_V1, count is not None, unclaimed)
         name = meta["model_name"]
         model = None if keys is None else {k: f"{name}.{aliases.get(k, k)}" for k in keys}
         optimizers = [
@@ -626,7 +532,8 @@ class ShardedReader:
             for o in meta.get("optimizer_names") or []
         ]
         saved = meta.get("optimizer_names") is not None
-        return Layout(self.version, model, aliases, optimizers, EXTRA_KEY, saved)
+        unclaimed = unclaimed_keys(self.entries, f"{name}.", set(keys or ()))
+        return Layout(self.version, model, aliases, optimizers, EXTRA_KEY, saved, unclaimed)
 
     def piece_meta(self, piece: StoredPiece) -> TensorStorageMetadata:
         """The stored tensor a piece in the other entries refers to; a damaged directory raises."""

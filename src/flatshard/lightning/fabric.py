@@ -33,9 +33,12 @@ from typing_extensions import override
 from flatshard.checkpoint import (
     AsyncSaver,
     check_required,
+    check_state_dict_kinds,
+    gather_for_save,
     is_sharded_checkpoint,
     load_checkpoint_file,
     load_into,
+    locate,
     write_full_checkpoint,
     write_sharded_checkpoint,
 )
@@ -157,6 +160,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
         compile: bool | dict[str, Any] = False,
         desync_timeout: float | timedelta | None = 60.0,
         async_save: bool = False,
+        allow_dtype_kind_cast: bool = False,
     ) -> None:
         # Options first: the precision setter, called by the base __init__, checks the flag against them.
         self.options = StrategyOptions.from_arguments(locals())
@@ -360,7 +364,8 @@ class FlatShardFabricStrategy(ParallelStrategy):
             else:
                 write_sharded_checkpoint(checkpoint, path, names)
             return
-        converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
+        with gather_for_save(locate(path)):  # a rank that dies meanwhile is named on the others
+            converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
         write_full_checkpoint(converted, path)  # rank 0 writes; every rank raises if that failed
         self.barrier()
 
@@ -380,7 +385,10 @@ class FlatShardFabricStrategy(ParallelStrategy):
         checkpoint = load_checkpoint_file(path, weights_only=weights_only)
         if not state:
             return checkpoint
+        allow_cast = self.options.allow_dtype_kind_cast
         if isinstance(state, Module):
+            if is_sharded(state):
+                check_state_dict_kinds(path, state, checkpoint, allow_cast)
             self.load_module_state_dict(state, checkpoint, strict=strict)
             return {}
         if isinstance(state, Optimizer):
@@ -394,6 +402,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
                 continue
             if isinstance(obj, Module) and is_sharded(obj):
                 check_full_model_state_dict(obj, checkpoint[name], strict=strict, source=f"{path} [{name!r}]")
+                check_state_dict_kinds(f"{path} [{name!r}]", obj, checkpoint[name], allow_cast)
             elif isinstance(obj, Optimizer):
                 local_optim[name] = convert_full_optim_state_dict(
                     self._owner(obj), obj, checkpoint[name], source=f"{path} [{name!r}]"
@@ -474,6 +483,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
             load_optimizer_states=bool(optimizers),
             required=others if strict else (),  # checked before anything changes
             names=Names(name or "model", tuple(n for n, _ in optimizers)),
+            allow_dtype_kind_cast=self.options.allow_dtype_kind_cast,
         )
         saved = rest.pop(_FABRIC_NAMES, {})
         if optimizers and saved.get("optimizers") not in (None, [n for n, _ in optimizers]):

@@ -34,11 +34,15 @@ def _one_of(name: str, value: object, choices: tuple[str, ...], hint: str = "") 
     return value  # type: ignore[return-value]
 
 
-def _check_async_save(value: object, state_dict_type: object) -> None:
+def _check_flag(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(
-            f"async_save must be True or False, got {value!r} ({type(value).__name__}). HINT: pass a bool."
+            f"{name} must be True or False, got {value!r} ({type(value).__name__}). HINT: pass a bool."
         )
+
+
+def _check_async_save(value: object, state_dict_type: object) -> None:
+    _check_flag("async_save", value)
     if value and state_dict_type == "full":
         raise ValueError(
             "async_save=True needs state_dict_type='sharded': a full save spends its time gathering the state "
@@ -96,12 +100,14 @@ class StrategyOptions:
     async_save: bool = (
         False  # sharded saves written in the background (see [Note: asynchronous sharded saves])
     )
+    allow_dtype_kind_cast: bool = False  # loading casts integer / bool / floating point across kinds
 
     def __post_init__(self) -> None:
         errors = OptionErrors("flatshard strategy")
         errors.check(_one_of, "state_dict_type", self.state_dict_type, _STATE_DICT_TYPES)
         errors.check(_one_of, "start_method", self.start_method, _START_METHODS)
         errors.check(_check_async_save, self.async_save, self.state_dict_type)
+        errors.check(_check_flag, "allow_dtype_kind_cast", self.allow_dtype_kind_cast)
         errors.check(
             _one_of,
             "grad_accumulation",

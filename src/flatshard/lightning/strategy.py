@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from flatshard.checkpoint import (
     AsyncSaver,
+    gather_for_save,
     load_into,
     remove_checkpoint,
     write_full_checkpoint,
@@ -112,6 +113,10 @@ class FlatShardStrategy(ParallelStrategy):
             returns; a thread writes them while training goes on. The next save, a load, the removal of that
             checkpoint and the end of ``fit`` wait for it, and raise its error naming the path. Local paths and
             URLs alike; ``"full"`` is refused. Default: ``False``.
+        allow_dtype_kind_cast: ``fit(ckpt_path=...)`` casts a tensor stored as an integer into a floating-point
+            parameter or buffer, or the reverse (bool likewise). Without it such a checkpoint is refused before
+            anything changes, naming the key and both dtypes; a cast within a kind (float32 into bfloat16)
+            always loads. Default: ``False``.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding. Default: ``False``.
         grad_accumulation: how ``accumulate_grad_batches`` accumulates. ``"sharded"`` (default): every
             micro-batch's gradient is reduce-scattered and the gradient shards add up (least memory).
@@ -181,6 +186,7 @@ class FlatShardStrategy(ParallelStrategy):
         compile: bool | dict[str, Any] = False,
         desync_timeout: float | timedelta | None = 60.0,
         async_save: bool = False,
+        allow_dtype_kind_cast: bool = False,
     ) -> None:
         # Options first: the precision setter, called by the base __init__, checks the flag against them.
         self.options = StrategyOptions.from_arguments(locals())
@@ -484,7 +490,8 @@ class FlatShardStrategy(ParallelStrategy):
         assert self.model is not None
         if self.options.state_dict_type == "sharded":
             return sharded_model_state_dict(self.model)  # views of this rank's pieces, no communication
-        return full_model_state_dict(self.model, rank0_only=True, cpu_offload=True)
+        with gather_for_save():  # a rank that dies meanwhile is named on the others
+            return full_model_state_dict(self.model, rank0_only=True, cpu_offload=True)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -493,7 +500,8 @@ class FlatShardStrategy(ParallelStrategy):
             optimizer = optimizer._optimizer
         if self.options.state_dict_type == "sharded":
             return sharded_optim_state_dict(self.model, optimizer)
-        return full_optim_state_dict(self.model, optimizer, rank0_only=True, cpu_offload=True)
+        with gather_for_save():
+            return full_optim_state_dict(self.model, optimizer, rank0_only=True, cpu_offload=True)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -546,6 +554,7 @@ class FlatShardStrategy(ParallelStrategy):
             strict=self.lightning_module.strict_loading,
             load_optimizer_states=fitting,
             weights_only=weights_only,
+            allow_dtype_kind_cast=self.options.allow_dtype_kind_cast,
         )
 
     # ------------------------------------------------------------------ teardown / registry
