@@ -137,13 +137,9 @@ def remove_stale_segments() -> None:
         parts = name.split("-")
         if len(parts) != 4 or parts[0] != "flatshard" or not parts[2].isdigit():
             continue
-        try:
-            os.kill(int(parts[2]), 0)
-        except ProcessLookupError:
+        if watchdog.process_gone(int(parts[2])):
             with contextlib.suppress(OSError):  # another process may be removing it too
                 os.unlink(os.path.join(_SHM_DIR, name))
-        except (PermissionError, OverflowError):
-            pass  # alive (another user's), or not a pid
 
 
 class Segment:
@@ -436,17 +432,13 @@ class ShmGroup:
         what = f"{_OPS[op]} of {numel} {dtype} elements per rank"
         if self._label is not None:
             what = self._label.describe()
-        try:
-            os.kill(self._pids[r], 0)
-        except ProcessLookupError:
+        if watchdog.process_gone(self._pids[r]):
             raise RuntimeError(
                 f"[rank {self._global_ranks[self.rank]}] rank {self._global_ranks[r]} (pid {self._pids[r]}) "
                 f"exited while this rank waited for it in a shared-memory {what}. HINT: if that rank failed, "
                 "see its output for its error; if it finished, it ran fewer training steps or forwards than "
                 "this rank (give every rank the same number of batches)."
-            ) from None
-        except PermissionError:
-            pass
+            )
         watchdog.blocked(self._label, start)
         if time.monotonic() - start > self.timeout:
             raise RuntimeError(

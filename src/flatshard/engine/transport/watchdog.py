@@ -76,6 +76,7 @@ __all__ = [
     "configure",
     "limit",
     "note_issued",
+    "process_gone",
     "start",
     "unblocked",
     "verdict",
@@ -546,7 +547,7 @@ def _evaluate(store: Any, rank: int, world: int, mine: dict[str, Any], peers: di
         peer = peers.setdefault(r, _Peer())
         if s["beat"] != peer.beat:
             peer.beat, peer.changed = s["beat"], now
-        if s["state"] == "exited" or (s.get("host") == mine["host"] and not _alive(s.get("pid"))):
+        if s["state"] == "exited" or (s.get("host") == mine["host"] and process_gone(s.get("pid"))):
             exited.add(r)
         elif now - peer.changed > max(3 * s["interval"], 1.0) + 2 * _beat():
             return  # silent, but not known to be gone: stopped, or holding the interpreter lock
@@ -565,16 +566,18 @@ def _evaluate(store: Any, rank: int, world: int, mine: dict[str, Any], peers: di
     _adopt({"waits": waits, "report": report}, rank, mine)
 
 
-def _alive(pid: Any) -> bool:
-    if not isinstance(pid, int):
-        return True
+def process_gone(pid: Any) -> bool:
+    """Whether no process ``pid`` exists on this host (positive evidence only: a process of another user,
+    or something that is not a pid, is not gone)."""
+    if not isinstance(pid, int) or isinstance(pid, bool):
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return False
-    except OSError:  # not ours to signal: it exists
         return True
-    return True
+    except (OSError, OverflowError):  # not ours to signal (it exists), or not a pid
+        return False
+    return False
 
 
 def _can_complete(state: dict[str, Any], states: list[dict[str, Any]], exited: set[int]) -> bool:
