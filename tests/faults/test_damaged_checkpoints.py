@@ -173,6 +173,7 @@ def _write_plain(path: str, key: str, value: torch.Tensor) -> None:
 
 # (case, base directory, fault, the key the message must name, what it must say, load the optimizer too)
 OWN, TORCH, BIG, INTS, FLOATS = "own", "fsdp2", "fsdp2_4_blocks", "plain_int64", "plain_float_steps"
+FULL, FULL_INTS = "full.ckpt", "full_int64_exp_avg.ckpt"  # a full file, and one with an int64 optimizer state
 CASES: list[tuple[str, str, Callable[[Metadata], None] | None, str, str, bool]] = [
     ("own-gap", OWN, drop_rank(f"model.{FC}", 1), FC, "cover", True),
     ("own-overlap", OWN, duplicate_chunk(f"model.{FC}"), FC, "overlap", True),
@@ -251,7 +252,24 @@ def _try_load(
     }
 
 
+def _write_full_with_int_optimizer_state(rank: int, world: int, root: Path) -> None:
+    """A full file, then a copy whose first AdamW ``exp_avg`` is stored as int64."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    flatshard.shard(model, auto_wrap_policy={Block})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _step(model, opt, rank, world)
+    flatshard.save_checkpoint(root / FULL, model, opt)
+    if rank == 0:
+        checkpoint = torch.load(root / FULL, weights_only=True)
+        state = checkpoint["optimizer_states"][0]["state"]
+        first = min(state)
+        state[first]["exp_avg"] = torch.ones_like(state[first]["exp_avg"], dtype=torch.int64)
+        torch.save(checkpoint, root / FULL_INTS)
+
+
 def _bases(rank: int, world: int, root: Path) -> None:
+    _write_full_with_int_optimizer_state(rank, world, root)
     _write_own(rank, world, str(root / OWN))
     _write_fsdp2(rank, world, str(root / TORCH), 3)
     _write_fsdp2(rank, world, str(root / BIG), 4)
@@ -275,6 +293,9 @@ def _load_every_case(rank: int, world: int, root: str) -> dict[str, Any]:
     # what must keep loading: the bigger model's directory without strict, the integers when asked for
     results["lenient"] = _try_load(str(Path(root) / BIG), 3, False, rank, world, strict=False)
     results["cast"] = _try_load(str(Path(root) / INTS), 3, False, rank, world, allow_dtype_kind_cast=True)
+    full = str(Path(root) / FULL_INTS)
+    results["full-int-optimizer-state"] = _try_load(full, 3, True, rank, world)
+    results["full-cast"] = _try_load(full, 3, True, rank, world, allow_dtype_kind_cast=True)
     return results
 
 
@@ -282,6 +303,17 @@ def _load_every_case(rank: int, world: int, root: str) -> dict[str, Any]:
 def loaded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("faults")
     return {"root": root, "ranks": spawn(_load_every_case, 2, str(root))}
+
+
+def test_a_full_file_with_optimizer_state_of_another_kind_is_refused(loaded: dict[str, Any]) -> None:
+    path = str(loaded["root"] / FULL_INTS)
+    for rank, results in enumerate(loaded["ranks"]):
+        refused, cast = results["full-int-optimizer-state"], results["full-cast"]
+        error = refused["error"]
+        assert error is not None and path in error and "'exp_avg'" in error and "torch.int64" in error, error
+        assert "allow_dtype_kind_cast=True" in error, error
+        assert refused["weights_unchanged"] and refused["optimizer_unchanged"], rank
+        assert cast["error"] is None and not cast["optimizer_unchanged"], (rank, cast)
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ from flatshard.checkpoint.save import StateDictType, save_checkpoint
 from flatshard.checkpoint.save_round import gather_for_save
 from flatshard.checkpoint.sharded import ShardedReader, is_sharded_checkpoint
 from flatshard.checkpoint.storage import is_url, locate, remove_checkpoint, size_of
-from flatshard.checkpoint.validate import check_required, check_state_dict_kinds
+from flatshard.checkpoint.validate import check_optim_state_kinds, check_required, check_state_dict_kinds
 from flatshard.checkpoint.write_sharded import write_sharded_checkpoint
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "ShardedReader",
     "StateDictType",
     "atomic_save",
+    "check_optim_state_kinds",
     "check_required",
     "check_state_dict_kinds",
     "consolidate",

@@ -21,6 +21,7 @@ from flatshard.checkpoint.load_sharded import load_sharded
 from flatshard.checkpoint.storage import Location, Remote, locate_checked, remote_kind
 from flatshard.checkpoint.validate import (
     agree_on_error,
+    check_optim_state_kinds,
     check_optimizer_count,
     check_required,
     check_state_dict_kinds,
@@ -146,10 +147,13 @@ def _load_full(
         check_full_model_state_dict(module, checkpoint["state_dict"], strict=strict, source=str(path))
         check_state_dict_kinds(path, module, checkpoint["state_dict"], allow_cast)
         if with_optim:
+            pairs = list(enumerate(zip(optimizers, checkpoint["optimizer_states"], strict=True)))
             local_optim = [
                 convert_full_optim_state_dict(module, opt, st, source=f"{path} (optimizer #{i})")
-                for i, (opt, st) in enumerate(zip(optimizers, checkpoint["optimizer_states"], strict=True))
+                for i, (opt, st) in pairs
             ]
+            for i, (opt, st) in pairs:
+                check_optim_state_kinds(f"{path} (optimizer #{i})", opt, st, allow_cast)
     except (CheckpointError, FileNotFoundError) as err:
         error = err
     except ValueError as err:

@@ -26,6 +26,7 @@ __all__ = [
     "agree_on_error",
     "check_chunks",
     "check_dtype_kinds",
+    "check_optim_state_kinds",
     "check_optimizer_count",
     "check_required",
     "check_state_dict_kinds",
@@ -203,5 +204,27 @@ def check_state_dict_kinds(path: object, module: Any, state_dict: Mapping[str, A
         (key, value.dtype, own[key].dtype)
         for key, value in state_dict.items()
         if isinstance(value, torch.Tensor) and isinstance(own.get(key), torch.Tensor)
+    ]
+    check_dtype_kinds(path, kinds, allow)
+
+
+def check_optim_state_kinds(path: object, optimizer: Any, state_dict: Any, allow: bool) -> None:
+    """:func:`check_dtype_kinds` for a full optimizer state dict loading into ``optimizer``: each per-element
+    state (``exp_avg``, ``momentum_buffer``: a tensor of more than 0 dimensions) against its parameter's
+    dtype. Scalars (``step``) keep their own dtype and are not checked. Parameters are matched by position
+    in the groups, as ``Optimizer.load_state_dict`` does."""
+    if allow or not isinstance(state_dict, Mapping):
+        return
+    states, groups = state_dict.get("state"), state_dict.get("param_groups")
+    if not isinstance(states, Mapping) or not isinstance(groups, list):
+        return  # not an optimizer state dict: the conversion reports it
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved = [i for group in groups if isinstance(group, Mapping) for i in group.get("params", [])]
+    kinds = [
+        (f"state {key!r} of parameter #{pos}", value.dtype, params[pos].dtype)
+        for pos, saved_id in enumerate(saved[: len(params)])
+        if isinstance(states.get(saved_id), Mapping)
+        for key, value in states[saved_id].items()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
     ]
     check_dtype_kinds(path, kinds, allow)

@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from flatshard.checkpoint import (
     AsyncSaver,
+    check_optim_state_kinds,
     check_required,
     check_state_dict_kinds,
     gather_for_save,
@@ -392,6 +393,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
             self.load_module_state_dict(state, checkpoint, strict=strict)
             return {}
         if isinstance(state, Optimizer):
+            check_optim_state_kinds(path, state, checkpoint, allow_cast)
             load_full_optim_state_dict(self._owner(state), state, checkpoint, source=str(path))
             return {}
         check_required(path, checkpoint, state if strict else ())
@@ -407,6 +409,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
                 local_optim[name] = convert_full_optim_state_dict(
                     self._owner(obj), obj, checkpoint[name], source=f"{path} [{name!r}]"
                 )
+                check_optim_state_kinds(f"{path} [{name!r}]", obj, checkpoint[name], allow_cast)
         for name, obj in state.items():
             if name not in checkpoint:
                 continue
