@@ -29,6 +29,13 @@ copy between host and device memory that is not ``non_blocking`` from or to pinn
 (its clock merges the stream's) and is listed in :attr:`StreamRecorder.blocking`. Everything still runs
 synchronously on CPU, so results are those of an ordinary CPU run: what is checked is the order CUDA needs.
 
+With ``nccl_like=True`` the fake also models NCCL's asynchrony, for the desync detector (see [Note: finding a
+desync]): waiting for a collective never blocks the host (NCCL's ``wait`` is a stream dependency), and an
+event completes only when every collective issued before it was recorded has completed (``query``), so the
+host blocks where it would on a GPU, in the rate limiter. Frees keep the memory (a gloo work may still
+write into it), and a gathered buffer may be read before its collective lands: results are not those of a
+CPU run there, only the order of host waits is.
+
 What the fake does not see: 0-dim tensors (scalars, the gradient anchor, the loss) are not tracked; host
 memory is what :meth:`FakeCommContext.host_empty` returns, the offloaded shards, and what operations on
 host memory produce; reading a value back (``item``) is not counted as a synchronization, which only makes
@@ -105,11 +112,15 @@ class FakeEvent:
         self.stream = stream
         self.clock = clock
 
+    works: tuple[Any, ...] = ()  # with nccl_like: the collectives issued before it was recorded
+
     def synchronize(self) -> None:
+        for work in self.works:
+            work.wait()
         self.recorder.synchronize(self)
 
     def query(self) -> bool:
-        return True
+        return all(work.is_completed() for work in self.works)
 
     def wait(self, stream: FakeStream | None = None) -> None:
         self.recorder.wait(self, stream.name if stream is not None else "compute")
@@ -208,6 +219,8 @@ class StreamRecorder:
         self._count = 0
         self._current: list[str] = ["compute"]
         self._paused = 0
+        self.nccl_like = False  # see record_streams
+        self.in_flight: list[Any] = []  # with nccl_like: collectives not waited for by the host
         self._streams = {name: FakeStream(name, self) for name in STREAMS}
 
     # ------------------------------------------------------------------ streams and events
@@ -238,6 +251,9 @@ class StreamRecorder:
     def record(self, stream: str) -> FakeEvent:
         _merge(self.clocks[stream], self.clocks[HOST])
         event = FakeEvent(self, stream, dict(self.clocks[stream]))
+        if self.nccl_like:
+            self.in_flight = [work for work in self.in_flight if not work.is_completed()]
+            event.works = tuple(self.in_flight)
         self._log(stream, "record", repr(event))
         return event
 
@@ -533,15 +549,17 @@ def _wrap_collective(
 
 
 @contextmanager
-def record_streams(model: nn.Module) -> Iterator[StreamRecorder]:
+def record_streams(model: nn.Module, nccl_like: bool = False) -> Iterator[StreamRecorder]:
     """Run the block with ``model``'s roots on a :class:`FakeCommContext`, recording every stream's work.
 
     Call it around whole training steps of a model sharded on CPU (before its first forward, or between
     steps); on exit the roots get an ordinary ``CommContext`` back. See [Note: checking streams on CPU].
+    ``nccl_like``: the host never waits for a collective, events wait for them (for desync tests only).
     """
     from flatshard.engine import unit_states
 
     recorder = StreamRecorder()
+    recorder.nccl_like = nccl_like
     for state in unit_states(model):
         handle = state.handle
         if handle is not None and handle.offload:
@@ -566,10 +584,15 @@ def record_streams(model: nn.Module) -> Iterator[StreamRecorder]:
 
     def free(t: torch.Tensor) -> None:
         recorder.free(t)
+        if nccl_like:
+            return  # a collective may still write into it: keep the memory
         with recorder.paused():
             free_storage(t)
 
     def wait(self: comm.Pending) -> torch.Tensor:
+        if nccl_like and self.work is not None:
+            recorder.in_flight.append(self.work)  # a stream waits, not the host
+            return self.output
         with recorder.paused():
             return pending_wait(self)
 

@@ -44,7 +44,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from flatshard.engine.flat_param import FlatLayout, ShardInfo, flatten_tensors, split_flat
 from flatshard.engine.precision import UnitPrecision, reduce_divisors
-from flatshard.engine.transport import comm, memory
+from flatshard.engine.transport import comm, memory, watchdog
 from flatshard.engine.transport.limiter import AllGatherLimiter
 from flatshard.engine.transport.pieces import FlatPieces
 from flatshard.engine.transport.streams import CommContext
@@ -283,6 +283,7 @@ class FlatParamHandle:
         self._sharded_grad: torch.Tensor | None = None
         self._sharded_grad_ref: Callable[[], torch.Tensor | None] = lambda: None
         self._pending_unshard: _InFlight | None = None  # a gather issued and not yet waited for
+        self._gather_label: watchdog.Label | None = None  # the last all-gather (CUDA): see the limiter
         # CPU offload: reduced gradient shards in host memory (1-D, the kept prefix), accumulated at the end
         # of backward once the CPU has waited for their copies (see [Note: CPU offload])
         self._host_grads: list[torch.Tensor] = []
@@ -477,6 +478,7 @@ class FlatParamHandle:
                 pending = comm.all_gather_flat(self._gather, source, self.shard_group, where=self.where)
                 pending.wait()  # the unshard stream (not the CPU) waits for the collective
                 self._pending_unshard = _InFlight(pending, streams.record(streams.unshard), source)
+                self._gather_label = pending.label  # what the limiter's wait on this buffer waits for
         else:
             pending = comm.all_gather_flat(self._gather, source, self.shard_group, where=self.where)
             self._pending_unshard = _InFlight(pending, None, source)
@@ -500,7 +502,7 @@ class FlatParamHandle:
         if not self._gather_is_shard:
             memory.free_storage(self._gather)
             if limiter is not None and streams is not None and self.shard_world > 1:
-                limiter.record_free(streams.record)
+                limiter.record_free(streams.record, self._gather_label)
         self.state = HandleState.SHARDED
 
     # ------------------------------------------------------------------ gradients

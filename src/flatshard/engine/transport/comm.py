@@ -161,9 +161,7 @@ def _label(
         entry = _GROUP_SEQ[id(pg)] = (pg, ranks, [0], watchdog.group_name(pg))
     entry[2][0] += 1
     dtype = str(tensor.dtype).removeprefix("torch.")
-    label = watchdog.Label(kind, numel, dtype, entry[1], entry[2][0], where, entry[3])
-    watchdog.note_issued(label)  # see [Note: finding a desync]
-    return label
+    return watchdog.Label(kind, numel, dtype, entry[1], entry[2][0], where, entry[3])
 
 
 def _issued(
@@ -177,9 +175,11 @@ def _issued(
 ) -> Pending:
     """Count the bytes; time the collective inside :func:`timeline`; wait now unless ``async_op``.
     ``c10d_group``: the group a torch.distributed collective was issued on (its number goes in the label)."""
-    if label is not None and work is not None and not isinstance(work, shm.ShmWork):
-        pg = c10d_group if c10d_group is not None else dist.group.WORLD
-        label = label._replace(c10d_seq=watchdog.c10d_seq(pg))
+    if label is not None:
+        if work is not None and not isinstance(work, shm.ShmWork):
+            pg = c10d_group if c10d_group is not None else dist.group.WORLD
+            label = label._replace(c10d_seq=watchdog.c10d_seq(pg))
+        watchdog.note_issued(label)  # see [Note: finding a desync]
     comm_stats[kind] += nbytes
     timing = None
     if _timeline is not None:
@@ -289,6 +289,7 @@ def reduce_scatter_flat(
             )
     # Fallback: all-reduce in place, then copy our slice (twice the traffic, same result).
     work = dist.all_reduce(full, group=group, async_op=True)
+    label = label._replace(op="all_reduce")  # what it is among the process group's collectives
     pending = _issued("reduce_scatter", nbytes, full, work, False, label, group)
     rank = dist.get_rank(group)
     output.copy_(pending.output[rank * output.numel() : (rank + 1) * output.numel()])

@@ -41,12 +41,22 @@ might still be working is never reported (no false alarm by construction).
   (which cannot be interrupted from another thread) logs it, and its collective fails as soon as the ranks
   that raised exit. A verdict never outlives its wait: a later, ordinary slow step is judged afresh.
 
+On NCCL a flat collective's wait is a stream dependency and never blocks the CPU; a rank's CPU blocks in
+the all-gather rate limiter instead (``limit_all_gathers=True``, the default), waiting for the buffer freed
+two gathers ago, whose free event comes after the gather that filled it. The limiter polls that event in
+slices and records the wait as one in that gather (its label, with its c10d number), so the same evidence
+applies: a rank that skipped a step blocks in the strategy's barrier (its position is published before the
+NCCL barrier blocks), its peer in the limiter on a gather the first never issued, with the same c10d
+number as the barrier or one the first never reached. The CPU fake in the fault tests models it: an event
+that completes when a gloo work does.
+
 What is not detected: a desync among ranks that all wait in torch.distributed collectives (no flat
 collective involved: the process group's own timeout applies); a rank that went silent on another host
 without exiting cleanly (gloo reports its closed connection at once; NCCL's watchdog covers NCCL); and on
-NCCL, flat collectives never block the host (their wait is a stream dependency), so NCCL's own watchdog
-(``TORCH_NCCL_*`` timeouts, flight recorder) reports a hang there, while the heartbeat still logs the
-positions of ranks blocked in torch.distributed calls on the host.
+NCCL, a rank whose CPU blocks elsewhere than in the limiter or the strategies' collectives (reading a value
+back with ``item()``, ``torch.cuda.synchronize``, ``limit_all_gathers=False``): that is *running* to the
+heartbeat, never evidence, and NCCL's own watchdog (``TORCH_NCCL_*`` timeouts, flight recorder) reports
+the hang.
 """
 
 from __future__ import annotations
@@ -195,7 +205,8 @@ class _Watchdog:
     limit: float | None = DEFAULT_LIMIT_S
     wait: _Wait | None = None  # the main thread's wait in a labelled collective
     waits: int = 0  # wait numbers handed out (labelled and torch.distributed waits alike)
-    # process group name -> (seq, kind, numel, dtype) of the last flat collectives this rank issued there
+    # process group name -> [seq, kind, numel, dtype, c10d number, c10d family] of the last flat collectives
+    # this rank issued there
     issued: dict[str, deque[list[Any]]] = dataclasses.field(default_factory=dict)
     verdict: str | None = None  # the last report adopted
     verdict_wait: str | None = None  # the wait of this process it is about
@@ -248,7 +259,8 @@ def note_issued(label: Label) -> None:
     """Record a flat collective this rank issued (its signature is the evidence a verdict compares)."""
     if label.seq > 0:
         kept = _STATE.issued.setdefault(label.name, deque(maxlen=_ISSUED_KEPT))
-        kept.append([label.seq, *label.signature()])
+        family = _FAMILY.get(label.op or label.kind, label.op or label.kind)
+        kept.append([label.seq, *label.signature(), label.c10d_seq, family])
 
 
 def _beat() -> float:
@@ -291,15 +303,19 @@ def wait_collective(work: Any, what: str, group: Any = None, op: str = "") -> No
     """Wait for a torch.distributed ``work`` (issued with ``async_op=True``) the way flatshard waits for its
     own collectives: in slices, so a desync raises :class:`DesyncError` instead of hanging. ``what`` names
     the collective in the report (``"all_reduce of a logged value (sync_dist)"``), ``op`` the
-    torch.distributed operation (``"barrier"``). For the strategies' barriers and reductions; a NCCL work is
-    waited on plainly (its wait does not block the CPU for long).
+    torch.distributed operation (``"barrier"``). For the strategies' barriers and reductions; a NCCL work
+    cannot be waited on in slices, so its position is published and the wait blocks (a NCCL barrier's does).
     """
-    if _STATE.limit is None or "nccl" in str(dist.get_backend(group)):
+    if _STATE.limit is None:
         work.wait()
         return
     pg = group if group is not None else dist.group.WORLD
     ranks = tuple(dist.get_process_group_ranks(pg))
-    wait_sliced(work, Label(what, 0, "", ranks, -1, None, group_name(pg), op, c10d_seq(pg)))
+    label = Label(what, 0, "", ranks, -1, None, group_name(pg), op, c10d_seq(pg))
+    if "nccl" in str(dist.get_backend(group)):
+        wait_whole(work, label)  # a NCCL barrier blocks the CPU in wait(): say where first
+        return
+    wait_sliced(work, label)
 
 
 def group_name(group: Any) -> str:
@@ -595,7 +611,7 @@ def _can_complete(state: dict[str, Any], states: list[dict[str, Any]], exited: s
             if last < state["seq"]:
                 return False  # this member has not issued it
             same = [entry for entry in kept if entry[0] == state["seq"]]
-            if same and same[0] != wanted:
+            if same and same[0][: len(wanted)] != wanted:
                 return False  # it issued a different collective under that number
         return True
     name, seq, op = state.get("name"), state.get("c10d_seq") or 0, state.get("op")
@@ -611,6 +627,9 @@ def _can_complete(state: dict[str, Any], states: list[dict[str, Any]], exited: s
         at_same = theirs.get("name") == name and theirs.get("c10d_seq") == seq
         if at_same and theirs.get("op") not in (None, "", "p2p", op):
             return False  # its collective with this number is of another kind: they cannot pair
+        for entry in theirs.get("issued", {}).get(name, []):
+            if len(entry) > 5 and entry[4] == seq and entry[5] not in ("", "p2p", op):
+                return False  # it issued a flat collective of another kind under this number
     return True
 
 
