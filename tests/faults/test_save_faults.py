@@ -431,3 +431,99 @@ def test_a_save_removes_what_dead_runs_left_and_keeps_what_live_ones_write(tmp_p
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+_KILLED_URL_SAVE = """
+import os, signal, sys
+import torch
+import flatshard
+from torch.distributed.checkpoint import filesystem
+sys.path.insert(0, {tests!r})
+from tests.faults.test_save_faults import _register_flaky_store
+_register_flaky_store()
+write = filesystem.FileSystemWriter.write_data
+def write_then_die(writer, plan, planner):
+    os.kill(os.getpid(), signal.SIGKILL)  # the owner object is written, the data upload starts: killed
+filesystem.FileSystemWriter.write_data = write_then_die
+model = torch.nn.Linear(4, 4)
+flatshard.shard(model)
+flatshard.save_checkpoint({url!r}, model, state_dict_type="sharded")
+"""
+
+
+def _objects(folder: Path) -> dict[str, list[str]]:
+    return {p.name: sorted(os.listdir(p)) for p in sorted(folder.iterdir()) if p.is_dir()}
+
+
+def test_a_save_to_a_url_removes_what_dead_runs_left_beside_it(tmp_path: Path) -> None:
+    """At a URL (``flaky://``: local files behind an object-store-like filesystem), a killed run leaves data
+    objects and its owner object under its checkpoint's prefix; the next sharded save beside it removes them.
+    What live runs write, what another machine wrote recently, a complete checkpoint and objects that are not
+    flatshard's stay; what another machine left a day ago goes."""
+    from flatshard.checkpoint import temporaries
+    from flatshard.checkpoint.processes import ProcessId
+
+    _register_flaky_store()
+    root = tmp_path / "run"
+    url = f"flaky://{root}"
+    model = torch.nn.Linear(4, 4)
+    flatshard.shard(model)
+    flatshard.save_checkpoint(f"{url}/complete", model, state_dict_type="sharded")
+    complete = sorted(os.listdir(root / "complete"))
+    assert not any(name.startswith(".flatshard-owner") for name in complete), complete
+
+    # a real kill: a process saving to complete (a re-save), then one to step=1 (a new name), killed mid-upload
+    # (the second one's sweep already removes what the first left beside it: saved aside and put back)
+    for name in ("complete", "step=1"):
+        if name == "step=1":
+            (root / "complete").rename(tmp_path / "aside")
+        code = _KILLED_URL_SAVE.format(tests=str(Path(__file__).parents[2]), url=f"{url}/{name}")
+        killed = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    (tmp_path / "aside").rename(root / "complete")
+    left = [n for n in os.listdir(root / "step=1") if n.startswith(".flatshard-owner-")]
+    assert left, os.listdir(root / "step=1")  # the killed save's owner object
+    assert sorted(os.listdir(root / "complete")) != complete  # its owner object beside the metadata
+
+    here = ProcessId.mine()
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        live = ProcessId.of(sleeper.pid)
+        assert live is not None
+        elsewhere = dataclasses.replace(here, host="another-host", boot="another-boot")
+        day_old = time.time() - temporaries.STALE_AFTER_S - 60
+        for name, owner, old in [
+            ("live", live, False),
+            ("recent", elsewhere, False),
+            ("old", elsewhere, True),
+        ]:
+            (root / name).mkdir()
+            (root / name / "__0_a1b2_0.distcp").write_bytes(b"\0" * 64)
+            (root / name / ".flatshard-owner-a1b2").write_text(owner.to_json())
+            if old:
+                for entry in (root / name).iterdir():
+                    os.utime(entry, (day_old, day_old))
+        (root / "no-owner").mkdir()  # killed before its owner object, a day ago
+        (root / "no-owner" / "__0_c3d4_0.distcp").write_bytes(b"\0" * 64)
+        os.utime(root / "no-owner" / "__0_c3d4_0.distcp", (day_old, day_old))
+        (root / "users").mkdir()  # not flatshard's, however old
+        (root / "users" / "__0_c3d4_0.distcp").write_bytes(b"\0" * 64)
+        (root / "users" / "notes.txt").write_text("mine")
+        for entry in (root / "users").iterdir():
+            os.utime(entry, (day_old, day_old))
+
+        flatshard.save_checkpoint(f"{url}/step=2", model, state_dict_type="sharded")
+        after = _objects(root)
+        assert "step=1" not in after and "old" not in after and "no-owner" not in after, after
+        assert after["complete"] == complete, (
+            after
+        )  # the killed re-save's objects went; the checkpoint stayed
+        assert after["live"] == after["recent"] == [".flatshard-owner-a1b2", "__0_a1b2_0.distcp"], after
+        assert after["users"] == ["__0_c3d4_0.distcp", "notes.txt"], after
+        assert not any(n.startswith(".flatshard-owner") for n in after["step=2"]), after
+        fresh = torch.nn.Linear(4, 4)
+        flatshard.shard(fresh)
+        flatshard.load_checkpoint(f"{url}/complete", fresh)
+    finally:
+        sleeper.kill()
+        sleeper.wait()

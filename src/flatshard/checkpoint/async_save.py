@@ -68,8 +68,8 @@ from flatshard.checkpoint.save_round import SaveRound
 from flatshard.checkpoint.sharded import EXTRA_KEY, SavePlanner, flatten_checkpoint
 from flatshard.checkpoint.storage import Location, Remote, locate, locate_checked
 from flatshard.checkpoint.write_sharded import (
-    discard_on_failure,
     local_writer,
+    prepare_remote,
     prepare_temporary,
     replace_directory,
     write_lightning_meta,
@@ -257,7 +257,7 @@ class AsyncSaver:
         tmp: Path | None = None
         if isinstance(target, Remote):
             writer: dcp.FileSystemWriter = RemoteWriter(target, round_.id, extra)
-            discard_on_failure(round_, target)
+            prepare_remote(target, round_)
         else:
             tmp = prepare_temporary(target, round_)
             writer = local_writer(tmp)

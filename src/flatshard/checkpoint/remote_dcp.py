@@ -26,6 +26,8 @@ from flatshard.checkpoint.dcp_layout import LIGHTNING_META
 from flatshard.checkpoint.files import recording
 from flatshard.checkpoint.storage import METADATA, Remote, children
 
+REMOTE_OWNER = ".flatshard-owner-"  # + the save id: see [Note: stale temporaries]
+
 __all__ = ["RemoteReader", "RemoteWriter", "remove_save_objects", "remove_stale_objects"]
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,8 @@ def remove_save_objects(target: Remote, save_id: str) -> None:
     failure leaves only unreferenced objects, which the next save of that name deletes."""
     try:
         for name, entry in children(target).items():
-            if name.startswith("__") and f"_{save_id}_" in name and name.endswith(".distcp"):
+            data = name.startswith("__") and f"_{save_id}_" in name and name.endswith(".distcp")
+            if data or name == REMOTE_OWNER + save_id:
                 target.fs.rm_file(str(entry["name"]))
         if not children(target) and target.fs.isdir(target.path):
             target.fs.rmdir(target.path)
@@ -150,6 +153,8 @@ class RemoteWriter(dcp.FileSystemWriter):
             metadata.version = version
         self.written = sorted({info.relative_path for info in metadata.storage_data.values()})
         try:
+            with contextlib.suppress(FileNotFoundError):  # no trace of the owner in a complete checkpoint
+                self._target.fs.rm_file(self._target.child(REMOTE_OWNER + self._save_id).path)
             if self._extra is not None:
                 buf = io.BytesIO()
                 torch.save(dict(self._extra), buf)

@@ -32,6 +32,7 @@ from flatshard.engine import global_rank
 __all__ = [
     "discard_on_failure",
     "local_writer",
+    "prepare_remote",
     "prepare_temporary",
     "replace_directory",
     "write_lightning_meta",
@@ -54,7 +55,7 @@ def write_sharded_checkpoint(
         flat = flatten_checkpoint(checkpoint, names)
         if isinstance(location, Remote):
             writer = RemoteWriter(location, round_.id, flat.extra)
-            discard_on_failure(round_, location)
+            prepare_remote(location, round_)
             _dcp_save(flat, writer)  # DCP's collectives carry a rank's error to every rank
             if global_rank() == 0:
                 round_.committed()  # the metadata is in place
@@ -92,6 +93,16 @@ def prepare_temporary(target: Path, round_: SaveRound) -> Path:
     if global_rank() != 0:  # only now is it this save's: a refusal must remove nothing of a live owner's
         discard_on_failure(round_, target)
     return tmp
+
+
+def prepare_remote(target: Remote, round_: SaveRound) -> None:
+    """A sharded save to a URL: rank 0 removes what dead saves left beside ``target`` and writes this save's
+    owner object (see [Note: stale temporaries]); all ranks call. Registers the removal of the save's objects
+    should it fail."""
+    discard_on_failure(round_, target)
+    if global_rank() == 0:
+        temporaries.claim_remote(target, round_.id)
+    round_.agree("owner written")  # before any data object: a rank that failed does not enter DCP
 
 
 def discard_on_failure(round_: SaveRound, target: Path | Remote) -> None:
