@@ -396,7 +396,7 @@ def test_a_save_removes_what_dead_runs_left_and_keeps_what_live_ones_write(tmp_p
     """Hidden temporaries beside checkpoints of other names: those of processes of this host that are gone go,
     those of live processes and of other hosts (that changed recently) stay."""
     from flatshard.checkpoint import temporaries
-    from flatshard.checkpoint.processes import ProcessId
+    from flatshard.engine import ProcessId
 
     here = ProcessId.mine()
     sleeper = subprocess.Popen(["sleep", "60"])
@@ -461,7 +461,7 @@ def test_a_save_to_a_url_removes_what_dead_runs_left_beside_it(tmp_path: Path) -
     What live runs write, what another machine wrote recently, a complete checkpoint and objects that are not
     flatshard's stay; what another machine left a day ago goes."""
     from flatshard.checkpoint import temporaries
-    from flatshard.checkpoint.processes import ProcessId
+    from flatshard.engine import ProcessId
 
     _register_flaky_store()
     root = tmp_path / "run"

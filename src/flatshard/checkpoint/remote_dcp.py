@@ -24,9 +24,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from flatshard.checkpoint.dcp_layout import LIGHTNING_META
 from flatshard.checkpoint.files import recording
-from flatshard.checkpoint.storage import METADATA, Remote, children
-
-REMOTE_OWNER = ".flatshard-owner-"  # + the save id: see [Note: stale temporaries]
+from flatshard.checkpoint.storage import METADATA, REMOTE_OWNER, Remote, children
 
 __all__ = ["RemoteReader", "RemoteWriter", "remove_save_objects", "remove_stale_objects"]
 

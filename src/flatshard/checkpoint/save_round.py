@@ -7,7 +7,7 @@ peers. So the ranks of a save report to each other through the c10d store of the
 store every rank reached to join the group), never through the storage being written:
 
 - **Opening.** Every save starts with one small collective (``all_gather_object``) exchanging each rank's
-  :class:`~flatshard.checkpoint.processes.ProcessId` and rank 0's id for the save. Each rank starts its
+  :class:`~flatshard.engine.transport.processes.ProcessId` and rank 0's id for the save. Each rank starts its
   heartbeat before it, so past the opening every rank is known and beating. A rank that is already gone
   fails this collective (the process group's own error).
 - **Heartbeat.** While a save is open, one daemon thread per process adds 1 to
@@ -52,8 +52,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from flatshard.checkpoint.errors import CheckpointError
-from flatshard.checkpoint.processes import ProcessId
 from flatshard.checkpoint.storage import Location, Remote
+from flatshard.engine import ProcessId
 
 __all__ = ["HEARTBEAT_S", "SILENCE_S", "Failure", "RoundFailed", "SaveRound", "gather_for_save"]
 

@@ -43,6 +43,7 @@ from flatshard.checkpoint.validate import agree_on_error
 
 __all__ = [
     "METADATA",
+    "REMOTE_OWNER",
     "Location",
     "Remote",
     "children",
@@ -57,6 +58,7 @@ __all__ = [
 ]
 
 METADATA = ".metadata"  # DCP's metadata file: a sharded checkpoint is complete once it exists
+REMOTE_OWNER = ".flatshard-owner-"  # + the save id: a URL save's owner object (see [Note: stale temporaries])
 _LOCAL_PROTOCOLS = ("file", "local")
 _ENDPOINT_HINT = (
     "check that every node reaches the storage: the endpoint (for an S3-compatible server AWS_ENDPOINT_URL "

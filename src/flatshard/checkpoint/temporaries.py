@@ -9,7 +9,7 @@ A local save writes into a hidden sibling of its target and renames it into plac
 removes the hidden temporaries of other names whose owner is gone:
 
 - A sharded save's directory holds ``.flatshard-owner``: the process that created it (rank 0 of its run), as a
-  :class:`~flatshard.checkpoint.processes.ProcessId`. It is stale once that process is gone: it ran on this
+  :class:`~flatshard.engine.transport.processes.ProcessId`. It is stale once that process is gone: it ran on this
   machine (host, boot and pid namespace) and no process with its pid and start time runs any more.
 - A full save's temporary file names its host and pid: stale when that host is this one and no process with
   that pid runs.
@@ -49,13 +49,11 @@ from pathlib import Path
 from typing import Any
 
 from flatshard.checkpoint.errors import CheckpointError
-from flatshard.checkpoint.processes import ProcessId
-from flatshard.checkpoint.remote_dcp import REMOTE_OWNER
-from flatshard.checkpoint.storage import METADATA, Remote
+from flatshard.checkpoint.storage import METADATA, REMOTE_OWNER, Remote
+from flatshard.engine import ProcessId
 
 __all__ = [
     "OWNER",
-    "REMOTE_OWNER",
     "STALE_AFTER_S",
     "claim_remote",
     "create_hidden_directory",

@@ -54,6 +54,7 @@ from flatshard.engine.state.stand_ins import saved_piece, stand_in
 from flatshard.engine.state.state_dict import get_state_dict, optimizer_list, set_state_dict
 from flatshard.engine.state.unshard_params import unshard_params
 from flatshard.engine.transport.comm import global_rank, uses_nccl
+from flatshard.engine.transport.processes import ProcessId
 from flatshard.engine.transport.watchdog import DesyncError, wait_collective
 from flatshard.engine.wrap import Policy
 
@@ -68,6 +69,7 @@ __all__ = [
     "OptionErrors",
     "ParamShard",
     "Policy",
+    "ProcessId",
     "ShardOptions",
     "ShardedEMA",
     "ShardingStrategy",

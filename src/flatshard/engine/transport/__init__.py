@@ -8,6 +8,7 @@
 - ``streams``: the named CUDA streams and events of one root (collapsed to the current stream on CPU).
 - ``limiter``: the all-gather rate limiter.
 - ``env``: the ``FLATSHARD_*`` environment switches, validated where they are read.
+- ``watchdog``: the desync detector; ``processes``: which process this is and whether another still runs.
 """
 
 from flatshard.engine.transport.comm import CollectiveTiming, Pending, comm_stats, timeline

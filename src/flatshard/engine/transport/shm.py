@@ -71,6 +71,7 @@ from flatshard.engine.transport import watchdog
 from flatshard.engine.transport.env import env_flag
 from flatshard.engine.transport.memory import libc
 from flatshard.engine.transport.pieces import FlatPieces
+from flatshard.engine.transport.processes import pid_gone
 
 __all__ = [
     "DTYPES",
@@ -137,7 +138,7 @@ def remove_stale_segments() -> None:
         parts = name.split("-")
         if len(parts) != 4 or parts[0] != "flatshard" or not parts[2].isdigit():
             continue
-        if watchdog.process_gone(int(parts[2])):
+        if pid_gone(int(parts[2])):
             with contextlib.suppress(OSError):  # another process may be removing it too
                 os.unlink(os.path.join(_SHM_DIR, name))
 
@@ -432,7 +433,9 @@ class ShmGroup:
         what = f"{_OPS[op]} of {numel} {dtype} elements per rank"
         if self._label is not None:
             what = self._label.describe()
-        if watchdog.process_gone(self._pids[r]):
+        if pid_gone(self._pids[r]):
+            watchdog.adopt_verdict()  # a desync that peer raised before it exited is the report
+            watchdog.blocked(self._label, start)
             raise RuntimeError(
                 f"[rank {self._global_ranks[self.rank]}] rank {self._global_ranks[r]} (pid {self._pids[r]}) "
                 f"exited while this rank waited for it in a shared-memory {what}. HINT: if that rank failed, "

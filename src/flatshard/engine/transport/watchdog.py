@@ -23,7 +23,7 @@ might still be working is never reported (no false alarm by construction).
   module's ``__name__``, never by file paths.
 * **Heartbeat.** One daemon thread per process publishes, every ``beat`` seconds, this rank's state in the
   default group's c10d store (``flatshard/desync/<rank>``): the wait above or "running", its duration, its
-  own limit and beat interval, its host and pid, and the issued signatures. At exit it publishes "exited".
+  own limit and beat interval, its process (host, boot, pid and start time), and the issued signatures. At exit it publishes "exited".
 * **Verdict.** A rank waiting for ``limit / 2`` reads every rank's state. It is a desync only when
   - every rank waits in a collective for at least half of *its own* limit, with a heartbeat that advanced
     within three of *its own* beat intervals; or has exited (it said so, or it is on this host and its pid
@@ -68,7 +68,6 @@ import json
 import logging
 import math
 import os
-import socket
 import sys
 import threading
 import time
@@ -78,15 +77,17 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
+from flatshard.engine.transport.processes import ProcessId
+
 __all__ = [
     "DEFAULT_LIMIT_S",
     "DesyncError",
     "Label",
+    "adopt_verdict",
     "blocked",
     "configure",
     "limit",
     "note_issued",
-    "process_gone",
     "start",
     "unblocked",
     "verdict",
@@ -376,8 +377,24 @@ def wait_whole(work: Any, label: Label | None) -> None:
         unblocked()
 
 
+def adopt_verdict() -> None:
+    """Read the store's verdict now, and adopt it if it is about the main thread's wait: a peer that raised it
+    may have exited before this rank's heartbeat read it, and its exit must not hide the desync."""
+    wait = _STATE.wait
+    if _STATE.limit is None or wait is None or not dist.is_initialized():
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if store.check([_VERDICT_KEY]):
+            found = json.loads(store.get(_VERDICT_KEY).decode())
+            _adopt(found, dist.get_rank(), {"wait": wait.ident, "state": "flat"})
+    except Exception:  # the store may be gone with the peers: the collective's own error stands
+        pass
+
+
 def _raise_verdict(err: BaseException, since: float) -> None:
     """A collective's error after a verdict adopted during this wait is the desync's doing."""
+    adopt_verdict()
     at = _STATE.verdict_at
     if _STATE.verdict is not None and at is not None and at >= since:
         raise DesyncError(_STATE.verdict) from err
@@ -435,7 +452,7 @@ def _heartbeat() -> None:
     beat = 0
     foreign: _Foreign | None = None
     peers: dict[int, _Peer] = {}
-    host, pid = socket.gethostname(), os.getpid()
+    me = ProcessId.mine().to_json()
     while not _STATE.stop.wait(_beat()):
         if _STATE.limit is None or not dist.is_initialized():
             continue
@@ -450,8 +467,7 @@ def _heartbeat() -> None:
             beat=beat,
             interval=_beat(),
             limit=_STATE.limit,
-            host=host,
-            pid=pid,
+            proc=me,
             c10d={name: c10d_seq(pg) for name, pg in list(_GROUPS.items())},
             issued={name: list(kept) for name, kept in list(_STATE.issued.items())},
         )
@@ -563,7 +579,7 @@ def _evaluate(store: Any, rank: int, world: int, mine: dict[str, Any], peers: di
         peer = peers.setdefault(r, _Peer())
         if s["beat"] != peer.beat:
             peer.beat, peer.changed = s["beat"], now
-        if s["state"] == "exited" or (s.get("host") == mine["host"] and process_gone(s.get("pid"))):
+        if s["state"] == "exited" or _gone(s.get("proc")):
             exited.add(r)
         elif now - peer.changed > max(3 * s["interval"], 1.0) + 2 * _beat():
             return  # silent, but not known to be gone: stopped, or holding the interpreter lock
@@ -582,18 +598,10 @@ def _evaluate(store: Any, rank: int, world: int, mine: dict[str, Any], peers: di
     _adopt({"waits": waits, "report": report}, rank, mine)
 
 
-def process_gone(pid: Any) -> bool:
-    """Whether no process ``pid`` exists on this host (positive evidence only: a process of another user,
-    or something that is not a pid, is not gone)."""
-    if not isinstance(pid, int) or isinstance(pid, bool):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except (OSError, OverflowError):  # not ours to signal (it exists), or not a pid
-        return False
-    return False
+def _gone(proc: Any) -> bool:
+    """Whether a peer's published process is known to be gone (it ran on this machine and runs no more)."""
+    owner = ProcessId.from_json(proc) if isinstance(proc, str) else None
+    return owner is not None and owner.gone()
 
 
 def _can_complete(state: dict[str, Any], states: list[dict[str, Any]], exited: set[int]) -> bool:

@@ -1,5 +1,6 @@
-"""Which process this is, and whether another one still runs: positive evidence for saves that lost a rank or an
-owner (see [Note: save outcomes through the store] and [Note: stale temporaries]).
+"""Which process this is, and whether another one still runs: positive evidence for the desync detector (a peer
+that exited, see [Note: finding a desync]), the shared-memory transport (a peer gone mid-collective) and saves
+that lost a rank or an owner (see [Note: save outcomes through the store] and [Note: stale temporaries]).
 
 A process is named by its host name, the machine's boot id, its pid namespace, its pid and its start time (in
 clock ticks since boot). Another process is known to be gone only when it ran on this machine, in this pid
@@ -14,7 +15,7 @@ import os
 import socket
 from dataclasses import asdict, dataclass
 
-__all__ = ["ProcessId"]
+__all__ = ["ProcessId", "pid_gone"]
 
 
 def _read(path: str) -> str:
@@ -105,3 +106,21 @@ class ProcessId:
             )
         except (ValueError, KeyError, TypeError):
             return None
+
+
+def pid_gone(pid: object) -> bool:
+    """Whether no process ``pid`` runs on this machine, for a pid known to be of this machine and this pid
+    namespace (a peer of the shared-memory transport, a name in ``/dev/shm``). Positive evidence only: a
+    process of another user, or something that is not a pid, is not gone; a zombie is."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    if os.path.isdir("/proc"):
+        stat = _stat(pid)
+        return stat is None or stat[0] in ("Z", "X")
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, OverflowError):  # not ours to signal (it exists), or not a pid
+        return False
+    return False
