@@ -33,8 +33,9 @@ TRANSPORTS = [pytest.param({}, id="shm"), pytest.param({"FLATSHARD_SHM": "0"}, i
 def _train(
     rank: int, world: int, stall: Any, limit: float = LIMIT, steps: int = 3, stall_rank: int = 1
 ) -> dict[str, Any]:
-    """Train a sharded TinyGPT with ``stall()`` run by ``stall_rank`` before step 1's forward, beside an
-    unsharded reference on the global batch; any error is returned, not raised."""
+    """Train a sharded TinyGPT with ``stall()`` run by ``stall_rank`` before step 1's forward (``stall(rank)``
+    on every rank if ``stall_rank`` is negative), beside an unsharded reference on the global batch; any error is
+    returned, not raised."""
     torch.manual_seed(0)
     reference = TinyGPT()
     model = flatshard.shard(copy.deepcopy(reference), auto_wrap_policy={Block}, desync_timeout=limit)
@@ -45,6 +46,8 @@ def _train(
         for step in range(steps):
             if step == 1 and rank == stall_rank:
                 stall()
+            elif step == 1 and stall_rank < 0:  # every rank
+                stall(rank)
             idx, tgt = make_batch(step, 2 * world)
             mine = slice(2 * rank, 2 * rank + 2)
             model.loss(idx[mine], tgt[mine]).backward()
@@ -75,6 +78,39 @@ def _hold_the_gil() -> None:
     # libc's sleep through PyDLL keeps the interpreter lock: no other thread (the heartbeat) runs meanwhile,
     # as in a long pickle.loads or a C extension that does not release it
     ctypes.PyDLL(None).sleep(int(2.5 * LIMIT))
+
+
+def _make_slowly(seconds: int) -> str:
+    ctypes.PyDLL(None).sleep(seconds)  # holds the interpreter lock, as a large unpickling does
+    return "unpickled"
+
+
+class _SlowToUnpickle:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_make_slowly, (int(2.5 * LIMIT),))
+
+
+def _broadcast_a_slow_object(rank: int) -> None:
+    # rank 1 waits in broadcast_object_list (its heartbeat says so) until rank 0 sends, then unpickles holding
+    # the interpreter lock: its last published state is "in a collective", then silence, while rank 0 waits
+    # in step 1's all-gather
+    box: list[Any] = [_SlowToUnpickle() if rank == 0 else None]
+    if rank == 0:
+        time.sleep(LIMIT / 2)
+    dist.broadcast_object_list(box, src=0)
+    assert rank == 0 or box[0] == "unpickled"
+
+
+def _gil_holder_in_a_collective(rank: int, world: int) -> dict[str, Any]:
+    return _train(rank, world, _broadcast_a_slow_object, stall_rank=-1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("env", TRANSPORTS)
+def test_a_rank_holding_the_interpreter_lock_inside_a_collective_is_never_reported(
+    env: dict[str, str],
+) -> None:
+    _assert_healthy(spawn(_gil_holder_in_a_collective, 2, env=env, timeout=90))
 
 
 def _gil_holder(rank: int, world: int) -> dict[str, Any]:
