@@ -375,13 +375,15 @@ class ShardOptions:
             ``(module, recurse, nonwrapped_numel) -> bool`` (torch FSDP's policy contract).
         activation_checkpointing_policy: which submodules recompute their activations in backward instead
             of keeping them (see [Note: activation checkpointing]): module classes or their import paths,
-            an int (modules with at least that many parameters), a callable ``module -> bool`` or a torch-
-            FSDP-style policy callable. The outermost matching modules are checkpointed (non-reentrant);
+            an int (modules with at least that many parameters), a callable ``module -> bool`` or a policy
+            callable in torch FSDP's style. The outermost matching modules are checkpointed (non-reentrant);
             parameter names and checkpoints do not change. Default: ``None``.
         mixed_precision: a :class:`MixedPrecision` (or a mapping of its fields, dtypes as strings like
             ``"bf16"``): gather and compute in ``param_dtype``, reduce gradients in ``reduce_dtype``, keep
             fp32 shards for the optimizer and checkpoints (see [Note: mixed precision]). Batch-norm
-            modules become units of their own in full precision. Default: ``None``.
+            modules become units of their own in full precision. Default: ``None`` (full precision; under a
+            strategy, what its precision flag implies: ``"bf16-mixed"`` computes and reduces in bf16, and an
+            explicit value's fields replace those dtypes, the fields it leaves unset keeping them).
         cpu_offload: ``True`` or ``CPUOffload(offload_params=True)``: shards and gradient shards in CPU
             memory (pinned with CUDA compute), so the optimizer steps on CPU; each unit is copied to the
             compute device for its gather (see [Note: CPU offload]). Normalised to a bool. Default: ``False``.

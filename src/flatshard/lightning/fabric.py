@@ -68,7 +68,7 @@ from flatshard.engine import (
 )
 from flatshard.lightning.distributed import barrier, broadcast_object, init_process_group, reduce_tensor
 from flatshard.lightning.metrics import move_metrics
-from flatshard.lightning.options import StrategyOptions
+from flatshard.lightning.options import StrategyOptions, document_strategy
 from flatshard.lightning.precision import FlatShardFabricHalfPrecision, mixed_precision_for, sharded_scaler
 from flatshard.strategy_names import register_names
 
@@ -123,14 +123,11 @@ class _NoSyncControl(_BackwardSyncControl):
 
 class FlatShardFabricStrategy(ParallelStrategy):
     """Fabric counterpart of :class:`flatshard.FlatShardStrategy`: the same arguments except
-    ``grad_accumulation`` (a Fabric loop chooses per backward with ``fabric.no_backward_sync(model)``).
+    ``grad_accumulation``. Each argument is described once, beside the option it sets (see [Note: options
+    described once]); the list below is generated from those descriptions.
 
-    With ``compile``, the module given to ``fabric.setup`` is compiled too when it is the only unit;
-    ``fabric.setup(torch.compile(model))`` compiles each unit's forward the same way (see [Note: torch.compile]).
-
-    With ``async_save=True`` (``state_dict_type="sharded"`` only), ``fabric.save`` returns once this rank's
-    pieces are copied to CPU memory and writes them in the background; the next ``fabric.save``, a
-    ``fabric.load`` and :meth:`teardown` (or :meth:`wait_for_checkpoint`) wait for it and raise its error.
+    ``fabric.setup(torch.compile(model))`` compiles each unit's forward as ``compile`` does (see [Note:
+    torch.compile]). With ``async_save=True``, :meth:`wait_for_checkpoint` waits for the save in flight.
     """
 
     def __init__(
@@ -503,3 +500,11 @@ class FlatShardFabricStrategy(ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_names(strategy_registry, cls)
+
+
+document_strategy(
+    FlatShardFabricStrategy,
+    omitted={
+        "grad_accumulation": "a Fabric loop chooses per backward with ``fabric.no_backward_sync(model)``."
+    },
+)

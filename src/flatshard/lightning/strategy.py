@@ -59,7 +59,7 @@ from flatshard.lightning.distributed import (
 )
 from flatshard.lightning.launcher import SpawnLauncher
 from flatshard.lightning.metrics import move_metrics
-from flatshard.lightning.options import StrategyOptions
+from flatshard.lightning.options import StrategyOptions, document_strategy
 from flatshard.lightning.precision import FlatShardPrecision, mixed_precision_for, to_flatshard_precision
 from flatshard.lightning.step_modes import StepModes
 from flatshard.lightning.summary import count_full_parameters
@@ -79,70 +79,9 @@ __all__ = ["FlatShardStrategy"]
 class FlatShardStrategy(ParallelStrategy):
     r"""Fully sharded data-parallel training with flatshard's engine.
 
-    Arguments mirror Lightning's ``FSDPStrategy`` so that migrating is a one-word change.
-
-    Args:
-        sharding_strategy: ``"FULL_SHARD"`` (default), ``"SHARD_GRAD_OP"``, ``"NO_SHARD"``, ``"HYBRID_SHARD"``,
-            ``"HYBRID_SHARD_ZERO2"``, or the enum.
-        auto_wrap_policy: which submodules become units: a set/list of module classes (or import paths),
-            an int (minimum parameters per unit), or a callable ``(module, recurse, nonwrapped_numel)``.
-            Default: ``None`` (the whole model is one unit).
-        activation_checkpointing_policy: which submodules recompute their activations in backward instead of
-            keeping them: module classes (or import paths), an int (modules with at least that many
-            parameters), or a callable (``module -> bool`` or the ``auto_wrap_policy`` contract). Applied
-            inside units, non-reentrant; parameter names and checkpoints are unchanged. Default: ``None``.
-        cpu_offload: ``True`` / ``CPUOffload(offload_params=True)``: shards, gradient shards and optimizer
-            state in CPU memory (pinned with CUDA); the optimizer steps on CPU. Default: ``None``.
-        mixed_precision: a ``flatshard.MixedPrecision`` (or a mapping of its fields): the dtypes units gather,
-            compute and reduce in. Default: what ``Trainer(precision=...)`` implies (``"bf16-mixed"``: bf16
-            compute and reduction, fp32 shards); given explicitly, its fields replace those dtypes and the
-            fields it leaves unset keep them (``MixedPrecision(reduce_dtype=torch.float32)``: fp32 reduction).
-        limit_all_gathers: rate-limit all-gathers so at most two unsharded buffers are pending (CUDA).
-            Default: ``True``.
-        backward_prefetch: ``"BACKWARD_PRE"`` (default: gather the next unit before the current unit's
-            gradient computation), ``"BACKWARD_POST"`` (after it: less memory) or ``None``.
-        forward_prefetch: gather the next unit before the current unit's forward. Default: ``False``.
-        reshard_root_after_forward: free the root unit's gathered parameters after forward, gather them
-            again in backward; helps only where the loss is computed outside the root's forward (Fabric),
-            not in ``training_step``. Default: ``False``.
-        state_dict_type: ``"full"``: one consolidated file from rank 0 (a plain Lightning checkpoint).
-            ``"sharded"``: a directory where every rank writes its own pieces without gathering; it resumes on
-            any number of devices and ``flatshard consolidate DIR OUT.ckpt`` turns it into a full file.
-            Loading accepts either kind whatever this is set to. Default: ``"full"``.
-        async_save: with ``state_dict_type="sharded"``, a save copies this rank's pieces into CPU memory and
-            returns; a thread writes them while training goes on. The next save, a load, the removal of that
-            checkpoint and the end of ``fit`` wait for it, and raise its error naming the path. Local paths and
-            URLs alike; ``"full"`` is refused. Default: ``False``.
-        allow_dtype_kind_cast: ``fit(ckpt_path=...)`` casts a tensor stored as an integer into a floating-point
-            parameter or buffer, or the reverse (bool likewise). Without it such a checkpoint is refused before
-            anything changes, naming the key and both dtypes; a cast within a kind (float32 into bfloat16)
-            always loads. Default: ``False``.
-        sync_module_states: broadcast rank 0's parameters and buffers before sharding. Default: ``False``.
-        grad_accumulation: how ``accumulate_grad_batches`` accumulates. ``"sharded"`` (default): every
-            micro-batch's gradient is reduce-scattered and the gradient shards add up (least memory).
-            ``"no_sync"``: micro-batches keep unsharded gradients and only the last one reduces (one
-            reduction per step, one unsharded gradient of the whole model kept, as with DDP).
-        param_init_fn: initializes modules built on the meta device (``trainer.init_module(empty_init=True)``,
-            or ``torch.device("meta")`` in ``configure_model``): called with each module holding meta
-            parameters once their storage exists; it must fill them in place. Default: ``None`` (each
-            module's ``reset_parameters()``). Materialization goes one unit at a time, right before sharding.
-        shard_group_size: hybrid strategies: ranks per shard group (must divide the world size). Default: the
-            devices per node (shard within a node, replicate across nodes).
-        process_group: hybrid strategies: a ``(shard_group, replicate_group)`` tuple of process groups.
-        device_mesh: hybrid strategies: ``(replicas, ranks per shard group)`` or a 2-D ``DeviceMesh``
-            (dim 0 replicates, dim 1 shards). Give at most one of these three.
-        process_group_backend: ``"gloo"`` / ``"nccl"``; default: by device.
-        timeout: process-group timeout: how long a collective may wait before the backend gives up.
-        desync_timeout: seconds without progress after which ranks whose collectives no longer pair up (a rank
-            skipped a training batch, ran another branch, or waits in a collective of its own) raise
-            ``flatshard.DesyncError`` naming where each rank waits, instead of hanging until ``timeout``. A
-            slow rank is never reported. ``None``: never report. Default: 60.
-        start_method: ``"popen"`` (default: the script is re-run per rank, like ``ddp``) or ``"spawn"``.
-        compile: compile each unit that has no unit inside it, in place after sharding (``unit.compile()``), with
-            flatshard's hooks outside the compiled graphs. ``True``: ``torch.compile``'s defaults; a dict: its
-            keyword arguments (``{"mode": "max-autotune"}``, ``{"backend": "aot_eager"}``). The LightningModule
-            itself is never compiled (its forward runs the steps), so set ``auto_wrap_policy``. A unit compiled
-            already (``block.compile()`` in ``configure_model``) keeps its settings. Default: ``False``.
+    Arguments mirror Lightning's ``FSDPStrategy`` so that migrating is a one-word change. Each argument is
+    described once, beside the option it sets (see [Note: options described once]); the list below is
+    generated from those descriptions.
     """
 
     strategy_name = "flatshard"
@@ -585,3 +524,6 @@ class FlatShardStrategy(ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_names(strategy_registry, cls)
+
+
+document_strategy(FlatShardStrategy)  # its Args: section, from the options' descriptions
