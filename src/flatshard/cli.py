@@ -136,8 +136,7 @@ def _consolidate_to(args: argparse.Namespace) -> int:
     the model weights (see [Note: safetensors export])."""
     import time
 
-    from flatshard.checkpoint import CheckpointError
-    from flatshard.checkpoint.export import export_safetensors, output_format
+    from flatshard.checkpoint import CheckpointError, export_safetensors, output_format
 
     start = time.perf_counter()
     ema: bool | str = args.ema_key or args.ema

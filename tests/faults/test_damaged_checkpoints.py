@@ -21,6 +21,7 @@ import dataclasses
 import os
 import pickle
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -478,3 +479,52 @@ def test_fabric_refuses_a_key_the_model_does_not_have(tmp_path: Path) -> None:
         assert error is not None and "blocks.3.fc.weight" in error and path in error, error
         assert "unexpected" in error and "HINT:" in error, error
         assert result["unchanged"] and result["step"] == 0
+
+
+def _fabric_loads_a_file_damaged_on_one_rank(rank: int, world: int, root: str) -> dict[str, Any]:
+    """A full file that rank 1 cannot read (its node's copy is truncated: injected), the other rank can."""
+    from lightning.fabric import Fabric
+
+    from flatshard.checkpoint import load as load_module
+
+    torch.set_num_threads(1)
+    fabric = Fabric(
+        accelerator="cpu", devices=world, strategy=flatshard.FlatShardFabricStrategy(auto_wrap_policy={Block})
+    )
+    fabric.launch()
+    path = os.path.join(root, "fabric.ckpt")
+    torch.manual_seed(0)
+    model = fabric.setup_module(TinyGPT())
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _step(model, opt, rank, world)
+    fabric.save(path, {"model": model, "optimizer": opt, "step": 1})
+    if rank == 1:
+
+        def truncated(*args: Any, **kwargs: Any) -> Any:
+            raise CheckpointError(f"Checkpoint {path} is truncated (injected on rank 1).")
+
+        load_module.load_checkpoint_file = truncated  # type: ignore[assignment]
+    torch.manual_seed(1)
+    other = fabric.setup_module(TinyGPT())
+    other_opt = fabric.setup_optimizers(torch.optim.AdamW(other.parameters(), lr=1e-2))
+    before = _snapshot(other, other_opt.optimizer)
+    state = {"model": other, "optimizer": other_opt, "step": 0}
+    started = time.monotonic()
+    try:
+        fabric.load(path, state)
+        error = None
+    except CheckpointError as err:
+        error = str(err)
+    seconds = time.monotonic() - started
+    fabric.barrier()  # both ranks are still in step: nobody went on alone
+    after = _snapshot(other, other_opt.optimizer)
+    return {"error": error, "seconds": seconds, "unchanged": _same(before, after), "step": state["step"]}
+
+
+def test_fabric_fails_on_every_rank_when_one_rank_cannot_read_a_full_file(tmp_path: Path) -> None:
+    loaded, failed = spawn(_fabric_loads_a_file_damaged_on_one_rank, 2, str(tmp_path), timeout=120)
+    assert failed["error"] is not None and "truncated (injected on rank 1)" in failed["error"], failed
+    assert loaded["error"] is not None and "Loading failed on rank 1" in loaded["error"], loaded
+    assert "truncated" in loaded["error"], loaded
+    for result in (loaded, failed):
+        assert result["seconds"] < 30 and result["unchanged"] and result["step"] == 0, result

@@ -110,6 +110,28 @@ def test_the_contract_exports_every_name_used_outside_the_engine() -> None:
     assert not missing, missing
 
 
+def test_outside_checkpoint_only_its_contract_is_imported() -> None:
+    import flatshard.checkpoint
+
+    bad = [
+        f"{m}:{line} imports {module}"
+        for m in MODULES
+        if not _in(m, "flatshard.checkpoint")
+        for module, _, line in _imports(m)
+        if _in(module, "flatshard.checkpoint") and module != "flatshard.checkpoint"
+    ]
+    missing = [
+        f"{m}: {n}"
+        for m in MODULES
+        if not _in(m, "flatshard.checkpoint")
+        for module, names, _ in _imports(m)
+        if module == "flatshard.checkpoint"
+        for n in names
+        if n not in flatshard.checkpoint.__all__
+    ]
+    assert not bad and not missing, bad + missing
+
+
 def test_transport_imports_nothing_else_of_the_engine() -> None:
     bad = [
         f"{m}:{line} imports {module}"

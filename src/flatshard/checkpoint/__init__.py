@@ -10,14 +10,19 @@ Two formats, told apart by what is on disk:
 Both load into a sharded module on any world size and wrap policy, and both are validated completely
 (keys, shapes, optimizer groups, truncated or missing files, format version) before anything changes.
 Both live at a local path or any fsspec URL (``s3://``, ``gs://``, ...): see ``flatshard/checkpoint/storage.py``.
+
+This module is the package's contract: the rest of flatshard (the strategies, the command line) imports only
+the names in ``__all__`` below, never a module inside, as ``flatshard.engine`` is the engine's
+(``tests/unit/test_layout.py`` holds both to it).
 """
 
 from flatshard.checkpoint.async_save import AsyncSaver
 from flatshard.checkpoint.consolidate import consolidate
+from flatshard.checkpoint.dcp_layout import Names
 from flatshard.checkpoint.errors import CheckpointError
-from flatshard.checkpoint.export import export_safetensors, load_safetensors
+from flatshard.checkpoint.export import export_safetensors, load_safetensors, output_format
 from flatshard.checkpoint.files import atomic_save, load_checkpoint_file, write_full_checkpoint
-from flatshard.checkpoint.load import load_checkpoint, load_into
+from flatshard.checkpoint.load import load_checkpoint, load_full_entries, load_into
 from flatshard.checkpoint.save import StateDictType, save_checkpoint
 from flatshard.checkpoint.save_round import gather_for_save
 from flatshard.checkpoint.sharded import ShardedReader, is_sharded_checkpoint
@@ -28,6 +33,7 @@ from flatshard.checkpoint.write_sharded import write_sharded_checkpoint
 __all__ = [
     "AsyncSaver",
     "CheckpointError",
+    "Names",
     "ShardedReader",
     "StateDictType",
     "atomic_save",
@@ -41,9 +47,11 @@ __all__ = [
     "is_url",
     "load_checkpoint",
     "load_checkpoint_file",
+    "load_full_entries",
     "load_into",
     "load_safetensors",
     "locate",
+    "output_format",
     "remove_checkpoint",
     "save_checkpoint",
     "size_of",

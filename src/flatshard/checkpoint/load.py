@@ -8,7 +8,7 @@ missing files, format version) on every rank, with the ranks agreeing, before an
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,11 +29,15 @@ from flatshard.checkpoint.validate import (
 from flatshard.engine import (
     check_full_model_state_dict,
     convert_full_optim_state_dict,
+    is_sharded,
     load_full_model_state_dict,
     optimizer_list,
 )
 
-__all__ = ["load_checkpoint", "load_into"]
+__all__ = ["load_checkpoint", "load_full_entries", "load_into"]
+
+# What an entry of a full file loads into: a module, or an optimizer with the sharded module owning its parameters.
+Target = nn.Module | tuple[torch.optim.Optimizer, nn.Module]
 
 
 def load_checkpoint(
@@ -165,3 +169,57 @@ def _load_full(
     for opt, local in zip(optimizers, local_optim):
         opt.load_state_dict(local)
     return extra
+
+
+def load_full_entries(
+    path: str | os.PathLike[str] | Remote,
+    targets: Mapping[str | None, Target],
+    *,
+    strict: bool = True,
+    weights_only: bool | None = None,
+    required: Collection[str] = (),
+    allow_dtype_kind_cast: bool = False,
+) -> dict[str, Any]:
+    """Load the entries of a full file named in ``targets`` into their modules and optimizers (Fabric's
+    ``fabric.load``); all ranks call. The key ``None`` means the whole file is that target's state.
+
+    Everything is read and validated on every rank first (keys, shapes, optimizer groups, dtype kinds,
+    ``required`` entries), the ranks agree (one rank's failure raises on every rank, as :func:`load_into`
+    does), then it is applied. Returns the file's other entries (all of it when ``targets`` is empty)."""
+    location = locate_checked(path)
+    error: BaseException | None = None
+    checkpoint: dict[str, Any] = {}
+    converted: dict[str | None, dict[str, Any]] = {}
+    try:
+        checkpoint = load_checkpoint_file(location, weights_only=weights_only)
+        check_required(location, checkpoint, required)
+        for name, target in targets.items():
+            state = checkpoint if name is None else checkpoint.get(name)
+            if state is None:
+                continue
+            where = str(location) if name is None else f"{location} [{name!r}]"
+            if isinstance(target, tuple):
+                optimizer, owner = target
+                converted[name] = convert_full_optim_state_dict(owner, optimizer, state, source=where)
+                check_optim_state_kinds(where, optimizer, state, allow_dtype_kind_cast)
+            elif is_sharded(target):
+                check_full_model_state_dict(target, state, strict=strict, source=where)
+                check_state_dict_kinds(where, target, state, allow_dtype_kind_cast)
+    except (CheckpointError, FileNotFoundError, KeyError) as err:
+        error = err
+    except ValueError as err:
+        error = CheckpointError(str(err))
+    agree_on_error(error)
+    for name, target in targets.items():
+        state = checkpoint if name is None else checkpoint.get(name)
+        if state is None:
+            continue
+        if isinstance(target, tuple):
+            target[0].load_state_dict(converted[name])
+        elif is_sharded(target):
+            load_full_model_state_dict(target, state, strict=strict, source=str(location))
+        else:
+            target.load_state_dict(state, strict=strict)
+    if None in targets:
+        return {}
+    return {k: v for k, v in checkpoint.items() if k not in targets}

@@ -32,32 +32,26 @@ from typing_extensions import override
 
 from flatshard.checkpoint import (
     AsyncSaver,
-    check_optim_state_kinds,
-    check_required,
-    check_state_dict_kinds,
+    Names,
     gather_for_save,
     is_sharded_checkpoint,
-    load_checkpoint_file,
+    load_full_entries,
     load_into,
     locate,
     write_full_checkpoint,
     write_sharded_checkpoint,
 )
-from flatshard.checkpoint.dcp_layout import Names
 from flatshard.engine import (
     BackwardPrefetch,
     CPUOffload,
     MixedPrecision,
     ShardingStrategy,
-    check_full_model_state_dict,
     clip_grad_norm_params_,
     compile_units,
-    convert_full_optim_state_dict,
     full_model_state_dict,
     full_optim_state_dict,
     is_sharded,
     load_full_model_state_dict,
-    load_full_optim_state_dict,
     no_sync,
     parameter_names,
     rebind_optimizer,
@@ -380,41 +374,32 @@ class FlatShardFabricStrategy(ParallelStrategy):
             self._async_saver.wait(collective=True)
         if is_sharded_checkpoint(path):
             return self._load_sharded(path, state, strict)
-        checkpoint = load_checkpoint_file(path, weights_only=weights_only)
-        if not state:
-            return checkpoint
         allow_cast = self.options.allow_dtype_kind_cast
-        if isinstance(state, Module):
-            if is_sharded(state):
-                check_state_dict_kinds(path, state, checkpoint, allow_cast)
-            self.load_module_state_dict(state, checkpoint, strict=strict)
+        if not state:
+            return load_full_entries(path, {}, weights_only=weights_only)
+        if isinstance(state, (Module, Optimizer)):
+            target = state if isinstance(state, Module) else (state, self._owner(state))
+            load_full_entries(
+                path,
+                {None: target},
+                strict=strict,
+                weights_only=weights_only,
+                allow_dtype_kind_cast=allow_cast,
+            )
             return {}
-        if isinstance(state, Optimizer):
-            check_optim_state_kinds(path, state, checkpoint, allow_cast)
-            load_full_optim_state_dict(self._owner(state), state, checkpoint, source=str(path))
-            return {}
-        check_required(path, checkpoint, state if strict else ())
-        # Validate every module and optimizer entry before changing anything.
-        local_optim: dict[str, dict[str, Any]] = {}
-        for name, obj in state.items():
-            if name not in checkpoint:
-                continue
-            if isinstance(obj, Module) and is_sharded(obj):
-                check_full_model_state_dict(obj, checkpoint[name], strict=strict, source=f"{path} [{name!r}]")
-                check_state_dict_kinds(f"{path} [{name!r}]", obj, checkpoint[name], allow_cast)
-            elif isinstance(obj, Optimizer):
-                local_optim[name] = convert_full_optim_state_dict(
-                    self._owner(obj), obj, checkpoint[name], source=f"{path} [{name!r}]"
-                )
-                check_optim_state_kinds(f"{path} [{name!r}]", obj, checkpoint[name], allow_cast)
-        for name, obj in state.items():
-            if name not in checkpoint:
-                continue
-            if isinstance(obj, Module):
-                self.load_module_state_dict(obj, checkpoint.pop(name), strict=strict)
-            elif isinstance(obj, Optimizer):
-                checkpoint.pop(name)
-                obj.load_state_dict(local_optim[name])
+        targets: dict[str | None, Any] = {
+            name: (obj, self._owner(obj)) if isinstance(obj, Optimizer) else obj
+            for name, obj in state.items()
+            if isinstance(obj, (Module, Optimizer))
+        }
+        checkpoint = load_full_entries(
+            path,
+            targets,
+            strict=strict,
+            weights_only=weights_only,
+            required=state if strict else (),
+            allow_dtype_kind_cast=allow_cast,
+        )
         _restore_entries(state, checkpoint)
         return checkpoint
 
