@@ -138,7 +138,7 @@ class _DiskFills(Callback):
             self.saved = flatshard.get_state_dict(pl_module)[0]
         if trainer.global_step != 2:
             return
-        saver = getattr(trainer.strategy, "_async_saver", None)
+        saver = trainer.strategy._core.async_saver
         if saver is not None:
             saver.wait()  # the first checkpoint is complete before the disk fills up
         trainer.strategy.barrier()

@@ -31,15 +31,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from flatshard.checkpoint import (
-    AsyncSaver,
     Names,
     gather_for_save,
     is_sharded_checkpoint,
     load_full_entries,
     load_into,
     locate,
-    write_full_checkpoint,
-    write_sharded_checkpoint,
 )
 from flatshard.engine import (
     BackwardPrefetch,
@@ -47,7 +44,6 @@ from flatshard.engine import (
     MixedPrecision,
     ShardingStrategy,
     clip_grad_norm_params_,
-    compile_units,
     full_model_state_dict,
     full_optim_state_dict,
     is_sharded,
@@ -55,15 +51,13 @@ from flatshard.engine import (
     no_sync,
     parameter_names,
     rebind_optimizer,
-    register_generate,
-    shard,
     sharded_model_state_dict,
     sharded_optim_state_dict,
 )
+from flatshard.lightning.core import StrategyCore
 from flatshard.lightning.distributed import barrier, broadcast_object, init_process_group, reduce_tensor
-from flatshard.lightning.metrics import move_metrics
 from flatshard.lightning.options import StrategyOptions, document_strategy
-from flatshard.lightning.precision import FlatShardFabricHalfPrecision, mixed_precision_for, sharded_scaler
+from flatshard.lightning.precision import FlatShardFabricHalfPrecision, sharded_scaler
 from flatshard.strategy_names import register_names
 
 if TYPE_CHECKING:
@@ -155,8 +149,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
         allow_dtype_kind_cast: bool = False,
     ) -> None:
         # Options first: the precision setter, called by the base __init__, checks the flag against them.
-        self.options = StrategyOptions.from_arguments(locals())
-        self._async_saver = AsyncSaver() if self.options.async_save else None
+        self._core = StrategyCore(StrategyOptions.from_arguments(locals()))
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -169,6 +162,10 @@ class FlatShardFabricStrategy(ParallelStrategy):
         self._timeout = timeout
         self._sharded_modules: list[Module] = []
         self._backward_sync_control = _NoSyncControl()
+
+    @property
+    def options(self) -> StrategyOptions:
+        return self._core.options
 
     @property
     @override
@@ -212,18 +209,12 @@ class FlatShardFabricStrategy(ParallelStrategy):
                 "supported with flatshard. HINT: use '32-true', 'bf16-mixed', '16-mixed', 'bf16-true' or '16-true'."
             )
         if precision is not None:  # a flag that contradicts mixed_precision fails here, at Fabric(...)
-            mixed_precision_for(str(getattr(precision, "precision", "32-true")), self.options.mixed_precision)
+            self._core.check_precision_flag(str(getattr(precision, "precision", "32-true")))
         self._precision = precision
 
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self.options.start_method == "spawn":
-            self._launcher = _MultiProcessingLauncher(self, start_method="spawn")
-        elif not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
+        self._launcher = self._core.launcher(self, _MultiProcessingLauncher, _SubprocessScriptLauncher)
 
     @override
     def setup_environment(self) -> None:
@@ -232,21 +223,14 @@ class FlatShardFabricStrategy(ParallelStrategy):
 
     @override
     def setup_module(self, module: Module) -> Module:
-        move_metrics(module, self.root_device)  # first: a metric built on meta is refused before sharding
-        if not is_sharded(module):
-            flag = str(getattr(self.precision, "precision", "32-true"))
-            options = self.options.shard_options(
-                self.root_device,
-                mixed_precision_for(flag, self.options.mixed_precision),
-                self.num_processes,
-                self.num_nodes * self.num_processes,
-            )
-            shard(module, options)
-        if self.options.compile is not None:  # see [Note: torch.compile]
-            compiled = compile_units(module, self.options.compile)
-            log.debug("flatshard: compiled %d units", len(compiled))
-        if generate := register_generate(module):  # see [Note: methods other than forward]
-            log.debug("flatshard: generate() registered to gather on %s", generate)
+        self._core.setup_module(
+            module,
+            self.root_device,
+            str(getattr(self.precision, "precision", "32-true")),
+            self.num_processes,
+            self.num_nodes * self.num_processes,
+            compile_root=True,  # the module given to fabric.setup, when it is the only unit
+        )
         self._sharded_modules.append(module)
         return module
 
@@ -342,8 +326,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
         storage_options: Any | None = None,
         filter: dict[str, Any] | None = None,
     ) -> None:
-        if storage_options is not None:
-            raise TypeError("FlatShardFabricStrategy.save_checkpoint does not take storage_options.")
+        self._core.refuse_storage_options(storage_options, "FlatShardFabricStrategy")
         if self.options.state_dict_type == "sharded":
             if filter:
                 raise ValueError(
@@ -351,14 +334,11 @@ class FlatShardFabricStrategy(ParallelStrategy):
                     "its own pieces of the whole state). HINT: save without filter, or use state_dict_type='full'."
                 )
             checkpoint, names = self._sharded_checkpoint(state)
-            if self._async_saver is not None:  # see [Note: asynchronous sharded saves]
-                self._async_saver.save(checkpoint, path, names)
-            else:
-                write_sharded_checkpoint(checkpoint, path, names)
+            self._core.write(checkpoint, path, names)
             return
         with gather_for_save(locate(path)):  # a rank that dies meanwhile is named on the others
             converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
-        write_full_checkpoint(converted, path)  # rank 0 writes; every rank raises if that failed
+        self._core.write(converted, path)  # rank 0 writes; every rank raises if that failed
         self.barrier()
 
     @override
@@ -370,8 +350,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         path = self.broadcast(path)
-        if self._async_saver is not None:
-            self._async_saver.wait(collective=True)
+        self._core.before_load()
         if is_sharded_checkpoint(path):
             return self._load_sharded(path, state, strict)
         allow_cast = self.options.allow_dtype_kind_cast
@@ -405,8 +384,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
 
     def wait_for_checkpoint(self) -> None:
         """Wait for the asynchronous save in flight (``async_save=True``) and raise its error, naming the path."""
-        if self._async_saver is not None:
-            self._async_saver.wait()
+        self._core.wait_for_save()
 
     @override
     def teardown(self) -> None:

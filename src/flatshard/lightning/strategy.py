@@ -25,19 +25,14 @@ from torch.nn import Module
 from typing_extensions import override
 
 from flatshard.checkpoint import (
-    AsyncSaver,
     gather_for_save,
     load_into,
-    remove_checkpoint,
-    write_full_checkpoint,
-    write_sharded_checkpoint,
 )
 from flatshard.engine import (
     BackwardPrefetch,
     CPUOffload,
     MixedPrecision,
     ShardingStrategy,
-    compile_units,
     full_model_state_dict,
     full_optim_state_dict,
     is_sharded,
@@ -45,11 +40,10 @@ from flatshard.engine import (
     original_shapes,
     parameter_names,
     rebind_optimizer,
-    register_generate,
-    shard,
     sharded_model_state_dict,
     sharded_optim_state_dict,
 )
+from flatshard.lightning.core import StrategyCore
 from flatshard.lightning.distributed import (
     barrier,
     broadcast_object,
@@ -58,9 +52,8 @@ from flatshard.lightning.distributed import (
     set_world_ranks,
 )
 from flatshard.lightning.launcher import SpawnLauncher
-from flatshard.lightning.metrics import move_metrics
 from flatshard.lightning.options import StrategyOptions, document_strategy
-from flatshard.lightning.precision import FlatShardPrecision, mixed_precision_for, to_flatshard_precision
+from flatshard.lightning.precision import FlatShardPrecision, to_flatshard_precision
 from flatshard.lightning.step_modes import StepModes
 from flatshard.lightning.summary import count_full_parameters
 from flatshard.strategy_names import register_names
@@ -128,8 +121,7 @@ class FlatShardStrategy(ParallelStrategy):
         allow_dtype_kind_cast: bool = False,
     ) -> None:
         # Options first: the precision setter, called by the base __init__, checks the flag against them.
-        self.options = StrategyOptions.from_arguments(locals())
-        self._async_saver = AsyncSaver() if self.options.async_save else None
+        self._core = StrategyCore(StrategyOptions.from_arguments(locals()))
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -143,6 +135,10 @@ class FlatShardStrategy(ParallelStrategy):
         self._step_modes = StepModes()
 
     # ------------------------------------------------------------------ properties
+    @property
+    def options(self) -> StrategyOptions:
+        return self._core.options
+
     @property
     def sharding_strategy(self) -> ShardingStrategy:
         return self.options.shard.sharding_strategy
@@ -191,7 +187,7 @@ class FlatShardStrategy(ParallelStrategy):
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
         plugin = to_flatshard_precision(precision_plugin)
         if plugin is not None:  # a flag that contradicts mixed_precision fails here, at Trainer(...)
-            mixed_precision_for(plugin.precision, self.options.mixed_precision)
+            self._core.check_precision_flag(plugin.precision)
         self._precision_plugin = plugin
 
     # ------------------------------------------------------------------ environment
@@ -206,13 +202,7 @@ class FlatShardStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self.options.start_method == "spawn":
-            self._launcher = SpawnLauncher(self, start_method="spawn")
-        elif not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
+        self._launcher = self._core.launcher(self, SpawnLauncher, _SubprocessScriptLauncher)
 
     # ------------------------------------------------------------------ model setup
     @override
@@ -238,7 +228,14 @@ class FlatShardStrategy(ParallelStrategy):
         names = parameter_names(self.model) if early else {}
         if early:
             self.setup_optimizers(trainer)
-        self.model = self._setup_model(self.model)
+        self.model = self._core.setup_module(
+            self.model,
+            self.root_device,
+            self.precision_plugin.precision,
+            self.num_processes,
+            self.num_nodes * self.num_processes,
+            compile_root=False,  # the LightningModule's forward runs the steps
+        )
         count_full_parameters(trainer)  # ModelSummary shows the model's sizes, not this rank's shards
         self.barrier()
         if early:
@@ -254,23 +251,6 @@ class FlatShardStrategy(ParallelStrategy):
             for optimizer in self.optimizers:
                 rebind_optimizer(optimizer, {}, self.model)
         self.setup_precision_plugin()
-
-    def _setup_model(self, model: Module) -> Module:
-        move_metrics(model, self.root_device)  # first: a metric built on meta is refused before sharding
-        if is_sharded(model):
-            log.debug("flatshard: model is already sharded; reusing its units.")
-        else:
-            config = mixed_precision_for(self.precision_plugin.precision, self.options.mixed_precision)
-            options = self.options.shard_options(
-                self.root_device, config, self.num_processes, self.num_nodes * self.num_processes
-            )
-            shard(model, options)
-        if self.options.compile is not None:  # see [Note: torch.compile]
-            compiled = compile_units(model, self.options.compile, root=False)
-            log.debug("flatshard: compiled %d units", len(compiled))
-        if generate := register_generate(model):  # see [Note: methods other than forward]
-            log.debug("flatshard: generate() registered to gather on %s", generate)
-        return model
 
     @contextmanager
     @override
@@ -386,8 +366,7 @@ class FlatShardStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._step_modes.end_evaluation(serve=False)
-        if self._async_saver is not None:  # a save whose peers may never finish: do not wait for it
-            self._async_saver.abandon()
+        self._core.abandon_save()  # a save whose peers may never finish: do not wait for it
 
     @override
     def optimizer_step(
@@ -456,24 +435,12 @@ class FlatShardStrategy(ParallelStrategy):
     ) -> None:
         """Write a full file from rank 0, or (``state_dict_type="sharded"``) a directory from every rank; a
         local path or an fsspec URL (see [Note: checkpoint storage])."""
-        if storage_options is not None:
-            raise TypeError(
-                "FlatShardStrategy.save_checkpoint(..., storage_options=...) is not supported: flatshard writes "
-                "checkpoints itself. HINT: drop storage_options."
-            )
-        if self._async_saver is not None:  # see [Note: asynchronous sharded saves]
-            self._async_saver.save(checkpoint, filepath)
-        elif self.options.state_dict_type == "sharded":
-            write_sharded_checkpoint(checkpoint, filepath)
-        else:
-            write_full_checkpoint(checkpoint, filepath)  # rank 0 writes; every rank raises if it failed
+        self._core.refuse_storage_options(storage_options, "FlatShardStrategy")
+        self._core.write(checkpoint, filepath)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self._async_saver is not None:
-            self._async_saver.wait_for(filepath)  # another path is safe to remove while a save is written
-        if self.is_global_zero:
-            remove_checkpoint(filepath)  # a file or a sharded directory, local or at a URL
+        self._core.remove(filepath, self.is_global_zero)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -482,8 +449,7 @@ class FlatShardStrategy(ParallelStrategy):
         Returns the rest of the checkpoint for Lightning to restore loops, callbacks and schedulers.
         """
         path = self.broadcast(checkpoint_path)
-        if self._async_saver is not None:
-            self._async_saver.wait(collective=True)
+        self._core.before_load()
         assert self.model is not None and self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         return load_into(
@@ -500,8 +466,7 @@ class FlatShardStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         try:
-            if self._async_saver is not None:
-                self._async_saver.wait()  # the last save is complete (or its error raised) when fit returns
+            self._core.wait_for_save()  # the last save is complete (or its error raised) when fit returns
         finally:
             self._teardown()
 
