@@ -5,17 +5,20 @@ A few ``FLATSHARD_*`` variables turn an optimisation of the CPU path off, to com
 a system where it misbehaves. Each is validated wherever it is read, as an argument would be: a value outside
 the accepted ones raises ``ValueError`` naming the variable, its value, what it accepts and a ``HINT:``, never
 a bare conversion error, and never a silent default. ``shard()`` reads them all once
-(:func:`check_environment`), so a typo fails at setup on every rank, not in the middle of a step.
-``FLATSHARD_DESYNC_TIMEOUT`` is read by :mod:`~flatshard.engine.transport.watchdog`.
+(:func:`check_environment`), so a typo fails at setup on every rank, not in the middle of a step. Every
+variable is read here and nowhere else; one that overrides an argument (``FLATSHARD_DESYNC_TIMEOUT``, the
+``desync_timeout`` option) accepts exactly what the argument accepts. The guide's "Environment variables"
+table lists them all.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch.distributed as dist
 
-__all__ = ["FLAGS", "INTEGERS", "check_environment", "env_flag", "env_int"]
+__all__ = ["FLAGS", "INTEGERS", "SECONDS", "check_environment", "env_flag", "env_int", "env_seconds"]
 
 # name -> (default, what it switches); "0" turns it off, "1" on
 FLAGS: dict[str, tuple[bool, str]] = {
@@ -29,6 +32,12 @@ FLAGS: dict[str, tuple[bool, str]] = {
 # name -> (default, minimum, what it sets)
 INTEGERS: dict[str, tuple[int, int, str]] = {
     "FLATSHARD_PREFAULT_THREADS": (2, 1, "the number of page-backing helper threads"),
+}
+
+
+# name -> (the argument it overrides, what it sets): a positive number of seconds, or 0 / none / off
+SECONDS: dict[str, tuple[str, str]] = {
+    "FLATSHARD_DESYNC_TIMEOUT": ("desync_timeout", "the desync detector's no-progress limit"),
 }
 
 
@@ -68,9 +77,34 @@ def env_int(name: str) -> int:
     return number
 
 
+def env_seconds(name: str, argument: float | None) -> float | None:
+    """The duration ``name`` of :data:`SECONDS` overriding ``argument`` (its argument's value) when set: a
+    positive number of seconds, or ``0`` / ``none`` / ``off`` (``None``: off), as the argument accepts."""
+    value = os.environ.get(name)
+    if value is None:
+        return argument
+    text = value.strip().lower()
+    if text in ("", "0", "none", "off"):
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        option, what = SECONDS[name]
+        raise ValueError(
+            f"{_rank()}environment variable {name}={value!r} is not a positive number of seconds ({what}). HINT: "
+            f"set it to a number of seconds such as 60 (no unit), or to 0 / none / off to turn it off; unset it "
+            f"to use the {option} argument."
+        )
+    return seconds
+
+
 def check_environment() -> None:
     """Read every switch above: raises the first malformed one's error (see [Note: environment switches])."""
     for name in FLAGS:
         env_flag(name)
     for name in INTEGERS:
         env_int(name)
+    for name in SECONDS:
+        env_seconds(name, None)

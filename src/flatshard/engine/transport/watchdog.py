@@ -66,7 +66,6 @@ import dataclasses
 import datetime
 import json
 import logging
-import math
 import os
 import sys
 import threading
@@ -77,6 +76,7 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
+from flatshard.engine.transport.env import env_seconds
 from flatshard.engine.transport.processes import ProcessId
 
 __all__ = [
@@ -99,7 +99,7 @@ __all__ = [
 log = logging.getLogger("flatshard")
 
 DEFAULT_LIMIT_S = 60.0
-ENV = "FLATSHARD_DESYNC_TIMEOUT"
+ENV = "FLATSHARD_DESYNC_TIMEOUT"  # see [Note: environment switches]
 _PREFIX = "flatshard/desync/"
 _VERDICT_KEY = _PREFIX + "verdict"
 _ISSUED_KEPT = 16  # signatures of the last flat collectives issued per group, for the verdict's evidence
@@ -225,26 +225,7 @@ def configure(limit_s: float | None) -> None:
     """Set the no-progress limit in seconds for this process (``None``: never report, wait as the process
     group does). The last ``shard()`` call's ``desync_timeout`` wins; ``FLATSHARD_DESYNC_TIMEOUT`` overrides
     it and is checked like the argument."""
-    env = os.environ.get(ENV)
-    if env is not None:
-        limit_s = _parse_env(env)
-    _STATE.limit = limit_s
-
-
-def _parse_env(env: str) -> float | None:
-    text = env.strip().lower()
-    if text in ("", "0", "none", "off"):
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(
-            f"{ENV}={env!r} is not a positive number of seconds. HINT: set it to a number of seconds such as "
-            f"60 (no unit), or to 0 / none / off to turn desync detection off; unset it to use desync_timeout."
-        )
-    return value
+    _STATE.limit = env_seconds(ENV, limit_s)
 
 
 def limit() -> float | None:
