@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from flatshard.checkpoint import CheckpointError, consolidate, load_checkpoint, save_checkpoint
 from flatshard.engine import (
+    EMA,
     BackwardPrefetch,
     CPUOffload,
     DesyncError,
     MixedPrecision,
     ParamShard,
-    ShardedEMA,
     ShardingStrategy,
     ShardOptions,
     clip_grad_norm_,
@@ -41,6 +41,15 @@ _install_registration()
 
 
 def __getattr__(name: str) -> Any:
+    if name == "ShardedEMA":  # the engine's EMA's former name; flatshard.lightning.ShardedEMA is the callback
+        import warnings
+
+        warnings.warn(
+            "flatshard.ShardedEMA is now flatshard.EMA (flatshard.lightning.ShardedEMA is the Trainer callback).",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return EMA
     if name in ("FlatShardStrategy", "FlatShardFabricStrategy", "lightning"):
         import flatshard.lightning
 
@@ -49,6 +58,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "EMA",
     "BackwardPrefetch",
     "CPUOffload",
     "CheckpointError",
@@ -58,7 +68,6 @@ __all__ = [
     "MixedPrecision",
     "ParamShard",
     "ShardOptions",
-    "ShardedEMA",
     "ShardingStrategy",
     "__version__",
     "clip_grad_norm_",

@@ -189,7 +189,7 @@ def _write_other_model(rank: int, world: int, path: str) -> None:
 
 
 def _write_future_version(rank: int, world: int, path: str) -> None:
-    from flatshard.checkpoint import sharded
+    from flatshard.checkpoint import directory as sharded
 
     torch.set_num_threads(1)
     model = TinyGPT()
@@ -230,7 +230,7 @@ def test_damaged_sharded_checkpoint_fails_before_any_change(
         expected = "shape"
     else:
         spawn(_write_future_version, 2, str(ckpt))
-        from flatshard.checkpoint.sharded import FORMAT_VERSION
+        from flatshard.checkpoint.directory import FORMAT_VERSION
 
         expected = f"format version {FORMAT_VERSION + 1}"
     results = spawn(_damaged_loader, 2, str(ckpt))

@@ -1,4 +1,4 @@
-"""``flatshard.ShardedEMA`` in a Fabric loop: saved as pieces in a sharded checkpoint, resumed on another world size.
+"""``flatshard.EMA`` in a Fabric loop: saved as pieces in a sharded checkpoint, resumed on another world size.
 
 2 ranks train ``TinyGPT`` for two AdamW steps with an EMA updated after each, save ``{"model", "optimizer",
 "ema": ema.sharded_state_dict()}`` (no gather); 3 ranks load it into a fresh model and EMA. The EMA equals a
@@ -34,7 +34,7 @@ def _save(rank: int, world: int, path: str) -> None:
     torch.manual_seed(0)
     model = fabric.setup_module(TinyGPT())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
-    ema = flatshard.ShardedEMA(model.module, DECAY)
+    ema = flatshard.EMA(model.module, DECAY)
     for step in range(STEPS):
         fabric.backward(_loss(model, step, rank, world))
         optimizer.step()
@@ -49,7 +49,7 @@ def _load(rank: int, world: int, path: str) -> dict[str, Any] | None:
     torch.manual_seed(1)
     model = fabric.setup_module(TinyGPT())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
-    ema = flatshard.ShardedEMA(model.module, DECAY)
+    ema = flatshard.EMA(model.module, DECAY)
     state: dict[str, Any] = {"model": model, "optimizer": optimizer, "ema": {}}
     fabric.load(path, state)
     ema.load_state(state["ema"])

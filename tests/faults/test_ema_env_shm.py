@@ -139,7 +139,7 @@ def _fabric_run(world: int, out: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = fabric.setup_module(TinyGPT())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    ema = flatshard.ShardedEMA(model.module, DECAY)
+    ema = flatshard.EMA(model.module, DECAY)
     for step in range(STEPS):
         fabric.backward(_loss(model, step, fabric.global_rank, world))
         optimizer.step()

@@ -1,4 +1,4 @@
-"""``flatshard.engine.ShardedEMA`` on one process: the update formula, swapping in and back exactly, the
+"""``flatshard.EMA`` on one process: the update formula, swapping in and back exactly, the
 consolidated state under the model's names and loading it back, and bad arguments."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from flatshard.engine import ShardedEMA
+from flatshard.engine import EMA
 
 
 def _model() -> nn.Module:
@@ -19,7 +19,7 @@ def _model() -> nn.Module:
 
 def test_update_swap_and_state_roundtrip() -> None:
     model = _model()
-    ema = ShardedEMA(model, decay=0.5)
+    ema = EMA(model, decay=0.5)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         for p in model.parameters():
@@ -36,7 +36,7 @@ def test_update_swap_and_state_roundtrip() -> None:
         assert torch.equal(p, trained[n])
     state = ema.full_state_dict()
     assert set(state) == set(model.state_dict())  # parameters and buffers, under the model's names
-    other = ShardedEMA(copy.deepcopy(model), decay=0.5)
+    other = EMA(copy.deepcopy(model), decay=0.5)
     other.load_full_state_dict(state)
     with other.swapped_in():
         for n, p in other.module.named_parameters():
@@ -48,4 +48,4 @@ def test_update_swap_and_state_roundtrip() -> None:
 @pytest.mark.parametrize("decay", [1.0, -0.1, True, "0.9"])
 def test_a_bad_decay_is_refused(decay: object) -> None:
     with pytest.raises(ValueError, match=r"decay must be a number in \[0, 1\)"):
-        ShardedEMA(_model(), decay=decay)  # type: ignore[arg-type]
+        EMA(_model(), decay=decay)  # type: ignore[arg-type]

@@ -5,7 +5,7 @@ Two formats, told apart by what is on disk:
 - **full**: one ``torch.save`` file, a plain Lightning checkpoint (``state_dict``, ``optimizer_states`` in
   the plain optimizers' format, plus whatever else the checkpoint dict holds). Written by rank 0.
 - **sharded**: a ``torch.distributed.checkpoint`` directory, written by every rank without tensor
-  communication (see ``flatshard/checkpoint/sharded.py`` and ``write_sharded.py``).
+  communication (see ``flatshard/checkpoint/directory.py`` and ``write_sharded.py``).
 
 Both load into a sharded module on any world size and wrap policy, and both are validated completely
 (keys, shapes, optimizer groups, truncated or missing files, format version) before anything changes.
@@ -19,13 +19,13 @@ the names in ``__all__`` below, never a module inside, as ``flatshard.engine`` i
 from flatshard.checkpoint.async_save import AsyncSaver
 from flatshard.checkpoint.consolidate import consolidate
 from flatshard.checkpoint.dcp_layout import Names
+from flatshard.checkpoint.directory import ShardedReader, is_sharded_checkpoint
 from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.export import export_safetensors, load_safetensors, output_format
 from flatshard.checkpoint.files import atomic_save, load_checkpoint_file, write_full_checkpoint
 from flatshard.checkpoint.load import load_checkpoint, load_full_entries, load_into
 from flatshard.checkpoint.save import StateDictType, save_checkpoint
 from flatshard.checkpoint.save_round import gather_for_save
-from flatshard.checkpoint.sharded import ShardedReader, is_sharded_checkpoint
 from flatshard.checkpoint.storage import is_url, locate, remove_checkpoint, size_of
 from flatshard.checkpoint.validate import check_optim_state_kinds, check_required, check_state_dict_kinds
 from flatshard.checkpoint.write_sharded import write_sharded_checkpoint

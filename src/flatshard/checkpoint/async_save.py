@@ -63,9 +63,9 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 
 from flatshard.checkpoint import temporaries
 from flatshard.checkpoint.dcp_layout import Names
+from flatshard.checkpoint.directory import EXTRA_KEY, SavePlanner, flatten_checkpoint
 from flatshard.checkpoint.remote_dcp import RemoteWriter, remove_stale_objects
 from flatshard.checkpoint.save_round import SaveRound
-from flatshard.checkpoint.sharded import EXTRA_KEY, SavePlanner, flatten_checkpoint
 from flatshard.checkpoint.storage import Location, Remote, locate, locate_checked
 from flatshard.checkpoint.write_sharded import (
     local_writer,
@@ -232,7 +232,7 @@ class AsyncSaver:
     ) -> Path | str:
         """Stage ``checkpoint`` (holding sharded state) and start writing it to the directory ``path`` (a local
         path or a URL); every rank calls. Waits for the previous save first and raises its error on every rank.
-        ``names``: see :func:`~flatshard.checkpoint.sharded.flatten_checkpoint`. Returns the path (the URL for a
+        ``names``: see :func:`~flatshard.checkpoint.directory.flatten_checkpoint`. Returns the path (the URL for a
         URL)."""
         self.wait(collective=True)
         target = locate_checked(path)  # a URL's storage answers on every rank before anything is staged

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
+from flatshard.checkpoint.directory import OBJECT, ShardedReader
 from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.export import export_safetensors
 from flatshard.checkpoint.files import atomic_save
-from flatshard.checkpoint.sharded import OBJECT, ShardedReader
 from flatshard.checkpoint.storage import Remote, locate_checked
 from flatshard.engine import ParamShard
 

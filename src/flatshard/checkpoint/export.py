@@ -39,9 +39,9 @@ from typing import IO, Any
 
 import torch
 
+from flatshard.checkpoint.directory import ShardedReader, is_sharded_checkpoint
 from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.files import atomic_write, load_checkpoint_file
-from flatshard.checkpoint.sharded import ShardedReader, is_sharded_checkpoint
 from flatshard.checkpoint.storage import Remote, locate, locate_checked
 from flatshard.engine import ParamShard
 from flatshard.version import __version__

@@ -64,7 +64,7 @@ def write_full_checkpoint(checkpoint: Any, path: str | os.PathLike[str] | Remote
 
 
 def _refuse_pieces(checkpoint: Any, path: tuple[Any, ...] = ()) -> None:
-    """A full file holds whole tensors: a rank's piece (``ShardedEMA.sharded_state_dict()``...) has no place in it."""
+    """A full file holds whole tensors: a rank's piece (``EMA.sharded_state_dict()``...) has no place in it."""
     if isinstance(checkpoint, ParamShard):
         where = "".join(f"[{k!r}]" for k in path)
         raise ValueError(

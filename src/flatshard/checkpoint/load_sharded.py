@@ -1,7 +1,7 @@
 """Loading a sharded checkpoint directory into a sharded module on any world size.
 
 Each rank reads only what it holds: its piece of every parameter it manages (see [Note: sharded checkpoint
-layout] in ``flatshard.checkpoint.sharded``) and whole tensors of what is replicated here. Everything is
+layout] in ``flatshard.checkpoint.directory``) and whole tensors of what is replicated here. Everything is
 validated (keys, shapes, optimizer groups) on every rank, and the ranks agree, before anything is applied.
 """
 
@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 
 from flatshard.checkpoint.dcp_layout import Layout, Names, canonical, fill_pieces, find_pieces
+from flatshard.checkpoint.directory import OBJECT, ShardedReader
 from flatshard.checkpoint.errors import CheckpointError
-from flatshard.checkpoint.sharded import OBJECT, ShardedReader
 from flatshard.checkpoint.storage import Location
 from flatshard.checkpoint.validate import (
     agree_on_error,

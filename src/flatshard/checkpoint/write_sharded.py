@@ -22,10 +22,10 @@ from torch.distributed.checkpoint import filesystem as dcp_filesystem
 
 from flatshard.checkpoint import temporaries
 from flatshard.checkpoint.dcp_layout import LIGHTNING_META, Names
+from flatshard.checkpoint.directory import Flattened, SavePlanner, flatten_checkpoint
 from flatshard.checkpoint.files import fsync_dir, recording
 from flatshard.checkpoint.remote_dcp import RemoteWriter, remove_save_objects, remove_stale_objects
 from flatshard.checkpoint.save_round import SaveRound
-from flatshard.checkpoint.sharded import Flattened, SavePlanner, flatten_checkpoint
 from flatshard.checkpoint.storage import Remote, locate_checked
 from flatshard.engine import global_rank
 
@@ -48,7 +48,7 @@ def write_sharded_checkpoint(
     See [Note: sharded checkpoint layout]. ``path`` is a local directory or a URL; an existing checkpoint there
     (file or directory) is replaced only once the new one is complete. If the save fails on any rank, every
     rank raises within seconds and what it wrote is removed. ``names``: see
-    :func:`~flatshard.checkpoint.sharded.flatten_checkpoint`. Returns the path (the URL for a URL).
+    :func:`~flatshard.checkpoint.directory.flatten_checkpoint`. Returns the path (the URL for a URL).
     """
     location = locate_checked(path)  # a URL's storage answers on every rank before anything is written
     with SaveRound("The sharded save", location) as round_:

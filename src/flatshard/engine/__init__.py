@@ -23,7 +23,7 @@ from flatshard.engine.config import (
     ShardingStrategy,
     ShardOptions,
 )
-from flatshard.engine.ema import ShardedEMA, check_decay
+from flatshard.engine.ema import EMA, check_decay
 from flatshard.engine.forward_methods import is_forward_method, register_forward_method, register_generate
 from flatshard.engine.join import JoinState, begin_join, end_join, join
 from flatshard.engine.runtime import ForwardCall, begin_backward_in_forward, forward_call, regather_in_forward
@@ -59,6 +59,7 @@ from flatshard.engine.transport.watchdog import DesyncError, wait_collective
 from flatshard.engine.wrap import Policy
 
 __all__ = [
+    "EMA",
     "BackwardPrefetch",
     "CPUOffload",
     "CheckFn",
@@ -71,7 +72,6 @@ __all__ = [
     "Policy",
     "ProcessId",
     "ShardOptions",
-    "ShardedEMA",
     "ShardingStrategy",
     "begin_backward_in_forward",
     "begin_join",

@@ -3,23 +3,23 @@
 [Note: sharded EMA]
 Between steps each parameter of a sharded module holds this rank's piece of its unit's flat parameter
 (see ``flatshard.engine.handle``), so an average of those pieces is an average of the whole model split
-the same way: :class:`ShardedEMA` keeps one fp32 tensor per parameter, shaped like the local piece, and
+the same way: :class:`EMA` keeps one fp32 tensor per parameter, shaped like the local piece, and
 updates it with ``ema += (1 - decay) * (param - ema)`` after optimizer steps. Nothing is gathered, and the
 EMA costs one fp32 copy of this rank's shard. Parameters flatshard does not manage (ignored modules) are
 averaged whole, on every rank alike.
 
-- **Evaluation on the EMA** (:meth:`ShardedEMA.swap`): the EMA and the live pieces trade places in place,
+- **Evaluation on the EMA** (:meth:`EMA.swap`): the EMA and the live pieces trade places in place,
   so forwards gather the EMA weights; swapping again restores the training weights exactly. While swapped in,
   the shadow stands in for the live pieces in every saved model state (see [Note: stand-ins]): a checkpoint
   taken during an evaluation on the EMA holds the training weights under the model's names.
-- **Full state** (:meth:`ShardedEMA.full_state_dict`, collective): the EMA weights, consolidated under the
+- **Full state** (:meth:`EMA.full_state_dict`, collective): the EMA weights, consolidated under the
   model's state-dict names (buffers at their current values), on rank 0 — loadable into the plain model.
   It gathers as ``get_state_dict`` does, with the EMA standing in for the parameters: nothing is swapped, so
   it works wherever ``get_state_dict`` does (inside ``unshard_params`` too).
-- **Sharded state** (:meth:`ShardedEMA.sharded_state_dict`, no communication): this rank's EMA pieces as
+- **Sharded state** (:meth:`EMA.sharded_state_dict`, no communication): this rank's EMA pieces as
   :class:`~flatshard.engine.ParamShard` views under the model's state-dict names, which a sharded checkpoint
-  stores piece by piece; loading takes this rank's piece of each (:meth:`ShardedEMA.load_state`).
-- **Loading on any world size** (:meth:`ShardedEMA.load_full_state_dict`): from a full EMA state dict,
+  stores piece by piece; loading takes this rank's piece of each (:meth:`EMA.load_state`).
+- **Loading on any world size** (:meth:`EMA.load_full_state_dict`): from a full EMA state dict,
   every rank keeps its slices, as ``set_state_dict`` does for the model (it is used for the slicing, with
   the training weights put back afterwards).
 """
@@ -39,20 +39,20 @@ from flatshard.engine.state.sharded import ParamShard, param_shard
 from flatshard.engine.state.stand_ins import live_pieces, saved_piece, set_stand_ins, standing_in
 from flatshard.engine.state.state_dict import get_state_dict, set_state_dict
 
-__all__ = ["ShardedEMA", "check_decay"]
+__all__ = ["EMA", "check_decay"]
 
 
 def check_decay(decay: object) -> float:
     """``decay`` as a float, or a ``ValueError`` with a hint unless it is a number in ``[0, 1)``."""
     if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
         raise ValueError(
-            f"ShardedEMA(decay={decay!r}): decay must be a number in [0, 1). HINT: typical values are 0.999 "
+            f"EMA(decay={decay!r}): decay must be a number in [0, 1). HINT: typical values are 0.999 "
             "to 0.9999 (an average over about 1/(1 - decay) steps)."
         )
     return float(decay)
 
 
-class ShardedEMA:
+class EMA:
     """The EMA of ``module``'s trainable parameters, one fp32 piece per parameter (see [Note: sharded EMA]).
 
     Args:
@@ -74,7 +74,7 @@ class ShardedEMA:
         """Fold the current weights into the average (after an optimizer step); no communication."""
         if self.swapped:
             raise RuntimeError(
-                "ShardedEMA.update() while the EMA weights are swapped in. HINT: swap back first (the model "
+                "EMA.update() while the EMA weights are swapped in. HINT: swap back first (the model "
                 "holds the EMA weights, not the trained ones)."
             )
         weight = 1.0 - self.decay
@@ -89,7 +89,7 @@ class ShardedEMA:
         summoned = [s for s in unit_states(self.module) if s.summoned is not Summoned.NO]
         if summoned:
             raise RuntimeError(
-                f"ShardedEMA.swap() inside flatshard.unshard_params of {type(summoned[0].module).__name__}: the "
+                f"EMA.swap() inside flatshard.unshard_params of {type(summoned[0].module).__name__}: the "
                 "full parameters there are a copy that the swap would not reach, and leaving the context would "
                 "write it back over the swapped pieces. HINT: swap before entering unshard_params (ema.swapped_in() "
                 "around it) or after leaving it."
@@ -157,7 +157,7 @@ class ShardedEMA:
             self.load_full_state_dict(state)
             return
         if self.swapped:
-            raise RuntimeError("ShardedEMA.load_state() while swapped in. HINT: swap back first.")
+            raise RuntimeError("EMA.load_state() while swapped in. HINT: swap back first.")
         index = {id(p): i for i, p in enumerate(self.params)}
         pieces: dict[int, torch.Tensor] = {}
         for key, live in self.module.state_dict(keep_vars=True).items():
@@ -188,7 +188,7 @@ class ShardedEMA:
         """Take this rank's slices of a full EMA state dict (any world size; call on every rank with the
         same ``state``). Missing or unexpected names raise, before anything changes."""
         if self.swapped:
-            raise RuntimeError("ShardedEMA.load_full_state_dict() while swapped in. HINT: swap back first.")
+            raise RuntimeError("EMA.load_full_state_dict() while swapped in. HINT: swap back first.")
         kept = [p.detach().clone() for p in self.params]
         buffers = {n: b.detach().clone() for n, b in self.module.named_buffers()}
         if is_sharded(self.module):

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from flatshard.engine import ShardedEMA as _EngineEMA
+from flatshard.engine import EMA as _EngineEMA
 from flatshard.engine import check_decay, is_sharded, saved_piece, stand_in
 
 __all__ = ["ShardedEMA"]

@@ -305,7 +305,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
         if not is_sharded(module):
             return module.state_dict()
-        return full_model_state_dict(module, rank0_only=True, cpu_offload=True)
+        return full_model_state_dict(module, rank0_only=True, to_cpu=True)
 
     @override
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
@@ -316,7 +316,7 @@ class FlatShardFabricStrategy(ParallelStrategy):
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return full_optim_state_dict(self._owner(optimizer), optimizer, rank0_only=True, cpu_offload=True)
+        return full_optim_state_dict(self._owner(optimizer), optimizer, rank0_only=True, to_cpu=True)
 
     @override
     def save_checkpoint(

@@ -409,7 +409,7 @@ class FlatShardStrategy(ParallelStrategy):
         if self.options.state_dict_type == "sharded":
             return sharded_model_state_dict(self.model)  # views of this rank's pieces, no communication
         with gather_for_save():  # a rank that dies meanwhile is named on the others
-            return full_model_state_dict(self.model, rank0_only=True, cpu_offload=True)
+            return full_model_state_dict(self.model, rank0_only=True, to_cpu=True)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -419,7 +419,7 @@ class FlatShardStrategy(ParallelStrategy):
         if self.options.state_dict_type == "sharded":
             return sharded_optim_state_dict(self.model, optimizer)
         with gather_for_save():
-            return full_optim_state_dict(self.model, optimizer, rank0_only=True, cpu_offload=True)
+            return full_optim_state_dict(self.model, optimizer, rank0_only=True, to_cpu=True)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -75,13 +75,13 @@ def gather_full_flat(handle: FlatParamHandle) -> torch.Tensor:
     return full
 
 
-def copy_out(t: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
+def copy_out(t: torch.Tensor, to_cpu: bool) -> torch.Tensor:
     t = t.detach()
-    return t.to("cpu", copy=True) if cpu_offload else t.clone()
+    return t.to("cpu", copy=True) if to_cpu else t.clone()
 
 
 def full_model_state_dict(
-    module: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True
+    module: nn.Module, *, rank0_only: bool = True, to_cpu: bool = True
 ) -> dict[str, Any]:
     """Gather the full model state; with ``rank0_only`` other ranks return ``{}``. Must run on all ranks.
 
@@ -89,12 +89,12 @@ def full_model_state_dict(
     full-state gathers]); no rank ever holds a unit's flat parameter unsharded.
     """
     keep = comm.global_rank() == 0 or not rank0_only
-    items, assemble = plan_full_model_state_dict(module, keep=keep, cpu_offload=cpu_offload)
+    items, assemble = plan_full_model_state_dict(module, keep=keep, to_cpu=to_cpu)
     return assemble(gather_items(items, keep))
 
 
 def plan_full_model_state_dict(
-    module: nn.Module, *, keep: bool, cpu_offload: bool
+    module: nn.Module, *, keep: bool, to_cpu: bool
 ) -> tuple[list[GatherItem], Callable[[list[dict[int, torch.Tensor]]], dict[str, Any]]]:
     """What to gather (one item per unit) and how to build the state dict from the gathered tensors.
 
@@ -111,7 +111,7 @@ def plan_full_model_state_dict(
             dtype=h.dtype,
             wanted=list(range(len(h.params))),
             pieces=_saved_pieces(h),
-            out_device=torch.device("cpu") if cpu_offload else h.sharded.device,
+            out_device=torch.device("cpu") if to_cpu else h.sharded.device,
         )
         for h in handles
     ]
@@ -129,7 +129,7 @@ def plan_full_model_state_dict(
             if id(value) in gathered:
                 out[key] = gathered[id(value)]
             elif isinstance(value, torch.Tensor):
-                out[key] = copy_out(saved_piece(value), cpu_offload).to(restore.get(key, value.dtype))
+                out[key] = copy_out(saved_piece(value), to_cpu).to(restore.get(key, value.dtype))
             else:
                 out[key] = value
         return out

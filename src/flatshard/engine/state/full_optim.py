@@ -44,11 +44,11 @@ def _is_sharded_state(handle: FlatParamHandle | None, value: Any) -> bool:
 
 
 def full_optim_state_dict(
-    module: nn.Module, optimizer: torch.optim.Optimizer, *, rank0_only: bool = True, cpu_offload: bool = True
+    module: nn.Module, optimizer: torch.optim.Optimizer, *, rank0_only: bool = True, to_cpu: bool = True
 ) -> dict[str, Any]:
     """Gather the full optimizer state (see [Note: optimizer state consolidation]). Run on all ranks."""
     keep = global_rank() == 0 or not rank0_only
-    items, assemble = plan_full_optim_state_dict(module, optimizer, keep=keep, cpu_offload=cpu_offload)
+    items, assemble = plan_full_optim_state_dict(module, optimizer, keep=keep, to_cpu=to_cpu)
     return assemble(gather_items(items, keep))
 
 
@@ -57,7 +57,7 @@ def plan_full_optim_state_dict(
     optimizer: torch.optim.Optimizer,
     *,
     keep: bool,
-    cpu_offload: bool,
+    to_cpu: bool,
 ) -> tuple[list[GatherItem], Callable[[list[dict[int, torch.Tensor]]], dict[str, Any]]]:
     """Agree on the state's metadata (all ranks); return what to gather and how to build the state."""
     prepare_for_state_io(module, "get_state_dict", reading=True)
@@ -90,7 +90,7 @@ def plan_full_optim_state_dict(
         for idx, entries in local["state"].items():
             handle = located[idx][0]
             state[idx] = {
-                k: copy_out(v, cpu_offload) if isinstance(v, torch.Tensor) else v
+                k: copy_out(v, to_cpu) if isinstance(v, torch.Tensor) else v
                 for k, v in entries.items()
                 if not _is_sharded_state(handle, v)
             }
@@ -123,7 +123,7 @@ def plan_full_optim_state_dict(
                     dtype=meta[(idxs[0], key)],
                     wanted=positions,
                     pieces=pieces,
-                    out_device=torch.device("cpu") if cpu_offload else handle.sharded.device,
+                    out_device=torch.device("cpu") if to_cpu else handle.sharded.device,
                 )
             )
             placements.append((key, idxs, positions))

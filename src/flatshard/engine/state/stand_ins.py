@@ -1,7 +1,7 @@
 """Where the state functions read a parameter's value: its live piece, or a stand-in for it.
 
 [Note: stand-ins]
-While an EMA is swapped in (:meth:`flatshard.engine.ShardedEMA.swap`) every averaged parameter's live piece
+While an EMA is swapped in (:meth:`flatshard.engine.EMA.swap`) every averaged parameter's live piece
 holds its EMA and the training weights wait in the EMA's shadow. A checkpoint taken then (a callback saving
 in ``on_validation_epoch_end``, ``ModelCheckpoint``, ``fabric.save`` inside ``ema.swapped_in()``) must still
 hold the training weights under the model's names, or a run resumed from it trains from the EMA. So the swap

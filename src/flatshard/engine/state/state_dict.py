@@ -50,7 +50,8 @@ def get_state_dict(
             to write it to disk and reload it on any world size). Default: ``True``.
         rank0_only: (full state) only global rank 0 receives the state; other ranks get empty dicts.
             Default: ``True``.
-        cpu_offload: (full state) copy the gathered tensors to CPU. Default: ``True``.
+        cpu_offload: (full state) copy the gathered tensors to CPU, as torch's ``StateDictOptions(cpu_offload=...)``
+            (not the ``cpu_offload`` sharding option, which keeps shards in CPU memory). Default: ``True``.
     """
     if not full:
         sharded_model = sharded_model_state_dict(module)
@@ -68,8 +69,8 @@ def get_state_dict(
         if isinstance(optimizer, torch.optim.Optimizer)
         else list(optimizer)
     )
-    plans = [plan_full_model_state_dict(module, keep=keep, cpu_offload=cpu_offload)]
-    plans += [plan_full_optim_state_dict(module, o, keep=keep, cpu_offload=cpu_offload) for o in optimizers]
+    plans = [plan_full_model_state_dict(module, keep=keep, to_cpu=cpu_offload)]
+    plans += [plan_full_optim_state_dict(module, o, keep=keep, to_cpu=cpu_offload) for o in optimizers]
     results = gather_items([item for items, _ in plans for item in items], keep)
     built: list[Any] = []
     for items, assemble in plans:
