@@ -389,3 +389,38 @@ def test_an_exited_rank_is_evidence_a_silent_one_is_not() -> None:
         watchdog._evaluate(store, 0, 2, _flat(5, [AG5]), peers)
         assert "flatshard/desync/verdict" not in store.data
     watchdog._STATE.verdict = watchdog._STATE.verdict_wait = watchdog._STATE.verdict_at = None
+
+
+# -- limits per root ----------------------------------------------------------------------------------------
+LONG, SHORT = 8.0, 2.0  # root A (the default group) and root B (a group of its own, sharded last)
+
+
+def _two_roots(rank: int, world: int, which: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    root_a = flatshard.shard(TinyGPT(), auto_wrap_policy={Block}, desync_timeout=LONG)
+    group_b = dist.new_group([0, 1])
+    root_b = flatshard.shard(TinyGPT(), auto_wrap_policy={Block}, desync_timeout=SHORT, process_group=group_b)
+    idx, _ = make_batch(0, 2)
+    out: dict[str, Any] = {"error": None}
+    started = time.monotonic()
+    try:
+        if rank == 0:  # a forward of one root; rank 1 skipped it and waits in a barrier on that root's group
+            (root_a if which == "A" else root_b)(idx)
+        else:
+            dist.barrier(group=None if which == "A" else group_b)
+    except RuntimeError as err:
+        out["error"] = f"{type(err).__name__}: {err}"
+    out["seconds"] = time.monotonic() - started
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("which", ["A", "B"])
+def test_each_root_keeps_its_own_limit(which: str) -> None:
+    """Root B, sharded last with a short limit, does not shorten root A's: a desync in A's collectives is
+    reported after half of A's limit, one in B's after half of B's."""
+    waiting, _ = spawn(_two_roots, 2, which, timeout=90)
+    error = waiting["error"]
+    assert error is not None and error.startswith("DesyncError"), waiting
+    limit = LONG if which == "A" else SHORT
+    assert limit / 2 - 0.5 <= waiting["seconds"] < limit + 2.0, waiting

@@ -417,7 +417,8 @@ class ShardOptions:
             rank skipped a forward, ran another unit, or waits in a collective of its own) raise
             ``DesyncError`` naming where each rank waits, instead of hanging until the process group's
             timeout; see [Note: finding a desync]. A slow rank is never reported. ``None``: never report.
-            Process-wide: the last ``shard()`` call's value holds; ``FLATSHARD_DESYNC_TIMEOUT`` overrides.
+            Per root: it applies to the collectives on the root's process groups (two roots on one group: the
+            last ``shard()`` call's value); ``FLATSHARD_DESYNC_TIMEOUT`` overrides every root's.
             Default: 60.
     """
 

@@ -25,7 +25,7 @@ from flatshard.engine.precision import (
 )
 from flatshard.engine.process_groups import resolve_groups
 from flatshard.engine.runtime import STATE_ATTR, UnitState, get_unit_state
-from flatshard.engine.transport import comm, watchdog
+from flatshard.engine.transport import comm, shm, watchdog
 from flatshard.engine.transport.env import check_environment
 from flatshard.engine.wrap import plan_units, select_unit_modules
 
@@ -87,15 +87,22 @@ def shard(
         )
     opts = _options(options, kwargs)
     check_environment()  # a malformed FLATSHARD_* fails here, see [Note: environment switches]
-    watchdog.configure(opts.desync_timeout)  # see [Note: finding a desync]
-    watchdog.start()
     strategy, mp, param_init_fn = opts.sharding_strategy, opts.mixed_precision, opts.param_init_fn
     ignored = _expand_ignored(module, ignored_modules)
     shard_group, replicate_group = resolve_groups(strategy, opts.process_group, opts.shard_group_size)
+    groups = [shard_group] + ([replicate_group] if replicate_group is not None else [])
+    watchdog.configure(opts.desync_timeout, groups)  # this root's limit: see [Note: finding a desync]
+    watchdog.start()
     target = opts.device if opts.device is not None else _default_device(module, ignored, shard_group)
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
     opts = replace(opts, device=target)
+    if target.type == "cpu" and dist.is_initialized():
+        # The shared-memory transport of each group is set up here, where every rank is in step, not inside
+        # the first flat collective: a rank that skipped it would leave its peers in the setup's own
+        # torch.distributed collective, where no flatshard wait can report the desync.
+        for group in groups:
+            shm.shm_group(group)
     deferred = any(has_meta_tensors(m, recurse=False) for m in module.modules() if m not in ignored)
     if param_init_fn is not None and not deferred:
         warnings.warn(

@@ -137,7 +137,8 @@ def _wait(work: Any, label: watchdog.Label | None, output: torch.Tensor) -> None
     See [Note: finding a desync]. A shared-memory work is waited on in slices too (its worker also stops
     on a verdict); a CUDA work's ``wait`` only orders streams and never blocks the CPU.
     """
-    if output.device.type != "cpu" or watchdog.limit() is None:
+    limit = watchdog.limit() if label is None else watchdog.limit_for(label.name)
+    if output.device.type != "cpu" or limit is None:
         work.wait()
         return
     if label is not None and label.kind == "reduce_scatter":

@@ -21,11 +21,15 @@ might still be working is never reported (no false alarm by construction).
   from the first frame outside ``distributed_c10d``; anything else (computing, writing a checkpoint,
   pickling inside ``broadcast_object_list``, DCP's planning) is *running*. Frames are told apart by their
   module's ``__name__``, never by file paths.
+* **Limits.** Each root's ``desync_timeout`` is the limit of the collectives on its process groups
+  (:func:`configure`); a collective on another group (a strategy's barrier, a torch.distributed call) has
+  the smallest limit set in the process, which also sets the heartbeat's pace. A wait whose limit is off
+  (``None``) is never reported.
 * **Heartbeat.** One daemon thread per process publishes, every ``beat`` seconds, this rank's state in the
-  default group's c10d store (``flatshard/desync/<rank>``): the wait above or "running", its duration, its
-  own limit and beat interval, its process (host, boot, pid and start time), and the issued signatures. At exit it publishes "exited".
+  default group's c10d store (``flatshard/desync/<rank>``): the wait above or "running", its duration, the
+  limit of that wait and the beat interval, its process (host, boot, pid and start time), and the issued signatures. At exit it publishes "exited".
 * **Verdict.** A rank waiting for ``limit / 2`` reads every rank's state. It is a desync only when
-  - every rank waits in a collective for at least half of *its own* limit, with a heartbeat that advanced
+  - every rank waits in a collective for at least half of *its own* wait's limit, with a heartbeat that advanced
     within three of *its own* beat intervals; or has exited (it said so, or it is on this host and its pid
     is gone). A rank running, or silent for another reason (stopped, holding the interpreter lock in a long
     C call), or waiting for less than its half limit, means no verdict;
@@ -87,6 +91,7 @@ __all__ = [
     "blocked",
     "configure",
     "limit",
+    "limit_for",
     "note_issued",
     "start",
     "unblocked",
@@ -203,7 +208,8 @@ class _Wait:
 
 @dataclasses.dataclass
 class _Watchdog:
-    limit: float | None = DEFAULT_LIMIT_S
+    # process group name -> its limit (None: never report); see configure()
+    limits: dict[str, float | None] = dataclasses.field(default_factory=dict)
     wait: _Wait | None = None  # the main thread's wait in a labelled collective
     waits: int = 0  # wait numbers handed out (labelled and torch.distributed waits alike)
     # process group name -> [seq, kind, numel, dtype, c10d number, c10d family] of the last flat collectives
@@ -221,15 +227,32 @@ _STATE = _Watchdog()
 _GROUPS: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
-def configure(limit_s: float | None) -> None:
-    """Set the no-progress limit in seconds for this process (``None``: never report, wait as the process
-    group does). The last ``shard()`` call's ``desync_timeout`` wins; ``FLATSHARD_DESYNC_TIMEOUT`` overrides
-    it and is checked like the argument."""
-    _STATE.limit = env_seconds(ENV, limit_s)
+def configure(limit_s: float | None, groups: Any = (None,)) -> None:
+    """Set the no-progress limit in seconds of the collectives on ``groups`` (process groups; ``None``: the
+    default group), ``None`` meaning never report (wait as the process group does). ``shard()`` sets its root's
+    ``desync_timeout`` for the root's groups, so two roots on different groups keep their own limits (on one
+    group the last ``shard()`` call's value holds). ``FLATSHARD_DESYNC_TIMEOUT`` overrides every limit and is
+    checked like the argument."""
+    value = env_seconds(ENV, limit_s)
+    for group in groups:
+        pg = group
+        if pg is None and dist.is_available() and dist.is_initialized():
+            pg = dist.group.WORLD
+        _STATE.limits[group_name(pg) if pg is not None else ""] = value
 
 
 def limit() -> float | None:
-    return _STATE.limit
+    """The smallest limit set in this process (``DEFAULT_LIMIT_S`` before any; ``None`` if every one is off):
+    the one for collectives on groups no root set, and what the heartbeat's pace follows."""
+    if not _STATE.limits:
+        return env_seconds(ENV, DEFAULT_LIMIT_S)
+    values = [v for v in _STATE.limits.values() if v is not None]
+    return min(values) if values else None
+
+
+def limit_for(name: str) -> float | None:
+    """The limit of collectives on the process group named ``name`` (see :func:`configure`)."""
+    return _STATE.limits[name] if name in _STATE.limits else limit()
 
 
 def verdict() -> str | None:
@@ -246,7 +269,8 @@ def note_issued(label: Label) -> None:
 
 
 def _beat() -> float:
-    return min(5.0, max(0.05, _STATE.limit / 12)) if _STATE.limit is not None else 1.0
+    smallest = limit()
+    return min(5.0, max(0.05, smallest / 12)) if smallest is not None else 1.0
 
 
 def wait_slice() -> float:
@@ -288,10 +312,10 @@ def wait_collective(work: Any, what: str, group: Any = None, op: str = "") -> No
     torch.distributed operation (``"barrier"``). For the strategies' barriers and reductions; a NCCL work
     cannot be waited on in slices, so its position is published and the wait blocks (a NCCL barrier's does).
     """
-    if _STATE.limit is None:
+    pg = group if group is not None else dist.group.WORLD
+    if limit_for(group_name(pg)) is None:
         work.wait()
         return
-    pg = group if group is not None else dist.group.WORLD
     ranks = tuple(dist.get_process_group_ranks(pg))
     label = Label(what, 0, "", ranks, -1, None, group_name(pg), op, c10d_seq(pg))
     if "nccl" in str(dist.get_backend(group)):
@@ -362,7 +386,7 @@ def adopt_verdict() -> None:
     """Read the store's verdict now, and adopt it if it is about the main thread's wait: a peer that raised it
     may have exited before this rank's heartbeat read it, and its exit must not hide the desync."""
     wait = _STATE.wait
-    if _STATE.limit is None or wait is None or not dist.is_initialized():
+    if limit() is None or wait is None or not dist.is_initialized():
         return
     try:
         store = dist.distributed_c10d._get_default_store()
@@ -383,7 +407,7 @@ def _raise_verdict(err: BaseException, since: float) -> None:
 
 def start() -> None:
     """Start the heartbeat thread (idempotent; nothing without a multi-rank default group or a limit)."""
-    if _STATE.limit is None or not (dist.is_available() and dist.is_initialized()):
+    if limit() is None or not (dist.is_available() and dist.is_initialized()):
         return
     if dist.get_world_size() < 2 or (_STATE.thread is not None and _STATE.thread.is_alive()):
         return
@@ -435,7 +459,7 @@ def _heartbeat() -> None:
     peers: dict[int, _Peer] = {}
     me = ProcessId.mine().to_json()
     while not _STATE.stop.wait(_beat()):
-        if _STATE.limit is None or not dist.is_initialized():
+        if limit() is None or not dist.is_initialized():
             continue
         try:
             store = dist.distributed_c10d._get_default_store()
@@ -447,7 +471,6 @@ def _heartbeat() -> None:
         mine.update(
             beat=beat,
             interval=_beat(),
-            limit=_STATE.limit,
             proc=me,
             c10d={name: c10d_seq(pg) for name, pg in list(_GROUPS.items())},
             issued={name: list(kept) for name, kept in list(_STATE.issued.items())},
@@ -456,7 +479,8 @@ def _heartbeat() -> None:
             store.set(f"{_PREFIX}{rank}", json.dumps(mine))
             if store.check([_VERDICT_KEY]):
                 _adopt(json.loads(store.get(_VERDICT_KEY).decode()), rank, mine)
-            if _STATE.verdict_wait != mine.get("wait") and mine["blocked_s"] >= _STATE.limit / 2:
+            own = mine["limit"]
+            if _STATE.verdict_wait != mine.get("wait") and own is not None and mine["blocked_s"] >= own / 2:
                 _evaluate(store, rank, world, mine, peers)
         except Exception:  # a store going away at shutdown, a peer gone: never crash the process
             continue
@@ -479,19 +503,26 @@ def _own_state(main: int | None, foreign: _Foreign | None, now: float) -> tuple[
             "c10d_seq": label.c10d_seq,
             "wait": wait.ident,
             "blocked_s": now - wait.since,
+            "limit": limit_for(label.name),
         }, None
     frame = sys._current_frames().get(main) if main is not None else None
     call = _c10d_wait(frame)
     if call is None:
-        return {"state": "running", "where": "running (not in a collective)", "blocked_s": 0.0}, None
+        return {
+            "state": "running",
+            "where": "running (not in a collective)",
+            "blocked_s": 0.0,
+            "limit": limit(),
+        }, None
     collective, where, pg = call
     ident = (id(collective), collective.f_lasti)
     if foreign is None or foreign.frame != ident:
         foreign = _Foreign(ident, now, _next_wait())
     op = _FAMILY.get(collective.f_code.co_name, collective.f_code.co_name)
-    state = {"state": "collective", "where": where, "op": op, "wait": foreign.ident}
+    state = {"state": "collective", "where": where, "op": op, "wait": foreign.ident, "limit": limit()}
     if pg is not None:  # a blocking collective is the last one issued on its group: its number is the count
-        state.update(group=_ranks(pg), name=group_name(pg), c10d_seq=c10d_seq(pg))
+        name = group_name(pg)
+        state.update(group=_ranks(pg), name=name, c10d_seq=c10d_seq(pg), limit=limit_for(name))
     return {**state, "blocked_s": now - foreign.since}, foreign
 
 
@@ -566,7 +597,9 @@ def _evaluate(store: Any, rank: int, world: int, mine: dict[str, Any], peers: di
             return  # silent, but not known to be gone: stopped, or holding the interpreter lock
     for r, s in enumerate(states):
         if r not in exited and (
-            s["state"] == "running" or s["blocked_s"] < s["limit"] / 2 - 2 * s["interval"]
+            s["state"] == "running"
+            or s.get("limit") is None  # its wait is on a group whose limit is off: never reported
+            or s["blocked_s"] < s["limit"] / 2 - 2 * s["interval"]
         ):
             return  # a rank is working, or has waited too briefly to tell: it may yet come
     if not any(s["state"] in ("flat", "labelled") for r, s in enumerate(states) if r not in exited):
