@@ -27,19 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import (
-    MIB,
-    PRESETS,
-    Block,
-    build_model,
-    default_out,
-    machine_info,
-    make_batches,
-    proc_status_kib,
-    reset_peak_rss,
-    utc_now,
-    write_json,
-)
+from bench_measure import MIB, proc_status_kib, reset_peak_rss
+from bench_model import PRESETS, Block, build_model, make_batches
+from bench_output import default_out, machine_info, utc_now, write_json
 
 import flatshard
 from flatshard.testing import spawn

@@ -33,18 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import (
-    PRESETS,
-    barrier,
-    build_model,
-    default_out,
-    machine_info,
-    make_batches,
-    markdown_table,
-    spawn_ranks,
-    utc_now,
-    write_json,
-)
+from bench_contenders import barrier, spawn_ranks
+from bench_model import PRESETS, build_model, make_batches
+from bench_output import default_out, machine_info, markdown_table, utc_now, write_json
 
 
 def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Any) -> float:

@@ -77,40 +77,40 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import (
-    MIB,
-    MODEL_FIELDS,
-    Block,
-    MemoryPoller,
-    PeakRSS,
-    barrier,
-    build_model,
+from bench_checks import (
     check_correctness,
     crash_report,
-    default_out,
     fault_log_path,
+    model_state_equal,
+    optim_entry_equal,
+    reference_param_names,
+)
+from bench_contenders import barrier, spawn_ranks
+from bench_measure import (
+    MIB,
+    MemoryPoller,
+    PeakRSS,
+    malloc_trim,
+    mib,
+    reset_peak_rss,
+    shmem_kib,
+    smaps_private_kib,
+    tensor_bytes,
+    touch_host_memory,
+)
+from bench_model import MODEL_FIELDS, Block, build_model, make_batches
+from bench_model import PRESETS as STEP_TIME_PRESETS
+from bench_output import (
+    default_out,
     fmt,
     indent,
     machine_info,
-    make_batches,
-    malloc_trim,
     markdown_table,
-    mib,
-    model_state_equal,
-    optim_entry_equal,
     pyplot,
-    reference_param_names,
-    reset_peak_rss,
     save_figure,
-    shmem_kib,
-    smaps_private_kib,
-    spawn_ranks,
-    tensor_bytes,
-    touch_host_memory,
     utc_now,
     write_json,
 )
-from common import PRESETS as STEP_TIME_PRESETS
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(d_model=64, n_layer=2, n_head=4, batch_size=2, seq_len=32, vocab_size=512, device="cpu"),
@@ -547,7 +547,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--repeats", type=int, default=3, help="warm gathers after the cold one (median reported)")
     p.add_argument("--warmup", type=int, default=0, help="untimed gathers between the cold and the warm ones")
-    touch = "before each contender, touch and free this much memory (0: no; see common.touch_host_memory)"
+    touch = (
+        "before each contender, touch and free this much memory (0: no; see bench_measure.touch_host_memory)"
+    )
     p.add_argument("--touch-host-mib", type=int, default=0, help=touch)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)

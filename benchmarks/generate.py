@@ -44,27 +44,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import (
-    MIB,
-    MODEL_FIELDS,
-    PRESETS,
-    Block,
-    build_model,
-    default_out,
-    fmt,
-    indent,
-    machine_info,
-    malloc_trim,
-    markdown_table,
-    median,
-    mib,
-    proc_status_kib,
-    reset_peak_rss,
-    rss_kib,
-    spawn_ranks,
-    utc_now,
-    write_json,
-)
+from bench_contenders import spawn_ranks
+from bench_measure import MIB, malloc_trim, median, mib, proc_status_kib, reset_peak_rss, rss_kib
+from bench_model import MODEL_FIELDS, PRESETS, Block, build_model
+from bench_output import default_out, fmt, indent, machine_info, markdown_table, utc_now, write_json
 
 CONTENDERS = ("unsharded", "unshard_params", "rank0_only", "registered", "regather", "plain")
 DESCRIPTIONS = {

@@ -52,7 +52,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import REPO, git_commit, utc_now, write_json
+from bench_model import REPO
+from bench_output import git_commit, utc_now, write_json
 
 PARTS = ("parity", "sanitizer", "pytest_gpu", "step_time", "step_time_gloo")
 # The longest each part may take (seconds), and the least time worth starting it with.

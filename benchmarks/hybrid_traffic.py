@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import GPT, MIB, Block, GPTConfig, default_out, utc_now, write_json
+from bench_measure import MIB
+from bench_model import GPT, Block, GPTConfig
+from bench_output import default_out, utc_now, write_json
 
 import flatshard
 from flatshard.engine.transport import comm

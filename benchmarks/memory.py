@@ -46,24 +46,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import (
-    CONTENDER_DESCRIPTIONS,
-    MIB,
-    Block,
-    build_model,
-    default_out,
-    local_numel,
-    machine_info,
-    make_batches,
-    proc_status_kib,
-    pyplot,
-    reset_peak_rss,
-    rss_kib,
-    save_figure,
-    utc_now,
-    wrap_contender,
-    write_json,
-)
+from bench_contenders import CONTENDER_DESCRIPTIONS, wrap_contender
+from bench_measure import MIB, proc_status_kib, reset_peak_rss, rss_kib
+from bench_model import Block, build_model, local_numel, make_batches
+from bench_output import default_out, machine_info, pyplot, save_figure, utc_now, write_json
 
 FP32 = 4
 TOLERANCE = 0.15

@@ -42,7 +42,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import PRESETS, Block, build_model, default_out, machine_info, make_batches, median, write_json
+from bench_measure import median
+from bench_model import PRESETS, Block, build_model, make_batches
+from bench_output import default_out, machine_info, write_json
 
 SETTINGS = {
     # name: (backward_prefetch, forward_prefetch)

@@ -33,30 +33,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import (
+from bench_contenders import (
     CONTENDER_DESCRIPTIONS,
     FLATSHARD_CONTENDERS,
-    MIB,
-    MODEL_FIELDS,
-    PRESETS,
     barrier,
-    build_model,
+    spawn_ranks,
+    wrap_contender,
+)
+from bench_measure import MIB, median, mib, proc_status_kib, reset_peak_rss
+from bench_model import MODEL_FIELDS, PRESETS, build_model, local_numel, make_batches
+from bench_output import (
     default_out,
     fmt,
     indent,
-    local_numel,
     machine_info,
-    make_batches,
     markdown_table,
-    median,
-    mib,
-    proc_status_kib,
     pyplot,
-    reset_peak_rss,
     save_figure,
-    spawn_ranks,
     utc_now,
-    wrap_contender,
     write_json,
 )
 
