@@ -87,3 +87,36 @@ def test_the_guide_table_is_generated_from_the_descriptions() -> None:
     assert found == options_table(), (
         "stale: run `python -m flatshard.lightning.options --write docs/guide.md`"
     )
+
+
+def test_a_name_a_strategy_does_not_take_is_refused_with_its_hint() -> None:
+    with pytest.raises(TypeError, match="did you mean forward_prefetch"):
+        flatshard.FlatShardStrategy(forward_prefech=True)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="grad_accumulation: a Fabric loop chooses per backward"):
+        flatshard.FlatShardFabricStrategy(grad_accumulation="no_sync")  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize("cls", STRATEGIES, ids=lambda c: c.__name__)
+def test_the_options_are_keywords_typed_once(cls: type) -> None:
+    """Every option is keyword-only, with a resolved type (LightningCLI parses YAML values into it)."""
+    params = _params(cls)
+    for name in strategy_option_names():
+        if name in params:
+            assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+            assert not isinstance(params[name].annotation, str), name
+
+
+def test_an_option_without_an_argument_type_fails_at_import() -> None:
+    from typing_extensions import TypedDict
+
+    from flatshard.lightning.options import takes_options
+
+    class Partial(TypedDict, total=False):
+        sharding_strategy: str
+
+    class Shell:
+        def __init__(self, timeout: object = None, **options: object) -> None:
+            """A strategy shell whose argument types miss most options."""
+
+    with pytest.raises(TypeError, match="has no argument type in Partial"):
+        takes_options(Partial)(Shell)

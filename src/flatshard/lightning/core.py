@@ -7,14 +7,18 @@ different method names and call orders, but what flatshard does in them is the s
 holds it: a shell (``FlatShardStrategy``, ``FlatShardFabricStrategy``) adapts one API to it and keeps only
 what that API alone has (the Trainer's step routing and evaluation joins, Fabric's state dicts of named
 objects). Every save and load goes through ``flatshard.checkpoint``'s public functions, so a damaged file or
-a failing rank gives the same error on every rank in both.
+a failing rank gives the same error on every rank in both. What Lightning reads from a strategy the same way
+in both APIs (the root device, the sampler's ranks, broadcasts) a shell inherits from :class:`ShellMembers`;
+the arguments each API hands a strategy (``precision_plugin`` or ``precision``) stay in the shell's
+signature, and the options after them are declared once (see [Note: options described once]).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn import Module
@@ -27,11 +31,12 @@ from flatshard.checkpoint import (
     write_sharded_checkpoint,
 )
 from flatshard.engine import compile_units, is_sharded, register_generate, shard
+from flatshard.lightning.distributed import broadcast_object
 from flatshard.lightning.metrics import move_metrics
 from flatshard.lightning.options import StrategyOptions
 from flatshard.lightning.precision import mixed_precision_for
 
-__all__ = ["StrategyCore"]
+__all__ = ["ShellMembers", "StrategyCore"]
 
 log = logging.getLogger(__name__)
 
@@ -124,3 +129,55 @@ class StrategyCore:
         if not environment.creates_processes_externally:
             return script(environment, strategy.num_processes, strategy.num_nodes)
         return None
+
+
+class ShellMembers:
+    """What both shells answer Lightning the same way; listed before Lightning's base class, so that these win.
+
+    :meth:`_take_arguments` is the first line of a shell's ``__init__``: the options, then the process-group
+    arguments, before Lightning's base ``__init__`` (whose precision setter checks the flag against them).
+    """
+
+    _core: StrategyCore
+    _process_group_backend: str | None
+    _timeout: timedelta | None
+    if TYPE_CHECKING:  # Lightning's base classes have these
+        parallel_devices: list[torch.device] | None
+        local_rank: int
+        global_rank: int
+        num_nodes: int
+
+    def _take_arguments(
+        self,
+        declared_by: type,
+        options: Mapping[str, Any],
+        process_group_backend: str | None,
+        timeout: timedelta | None,
+    ) -> None:
+        self._core = StrategyCore(StrategyOptions.from_arguments(options, declared_by))
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+
+    @property
+    def options(self) -> StrategyOptions:
+        return self._core.options
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return broadcast_object(obj, src)

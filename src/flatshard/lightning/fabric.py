@@ -10,10 +10,10 @@ directory of per-rank pieces.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -28,7 +28,7 @@ from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from flatshard.checkpoint import (
     Names,
@@ -39,10 +39,6 @@ from flatshard.checkpoint import (
     locate,
 )
 from flatshard.engine import (
-    BackwardPrefetch,
-    CPUOffload,
-    MixedPrecision,
-    ShardingStrategy,
     clip_grad_norm_params_,
     full_model_state_dict,
     full_optim_state_dict,
@@ -54,9 +50,9 @@ from flatshard.engine import (
     sharded_model_state_dict,
     sharded_optim_state_dict,
 )
-from flatshard.lightning.core import StrategyCore
-from flatshard.lightning.distributed import barrier, broadcast_object, init_process_group, reduce_tensor
-from flatshard.lightning.options import StrategyOptions, document_strategy
+from flatshard.lightning.core import ShellMembers
+from flatshard.lightning.distributed import barrier, init_process_group, reduce_tensor
+from flatshard.lightning.options import OptionArguments, takes_options
 from flatshard.lightning.precision import FlatShardFabricHalfPrecision, sharded_scaler
 from flatshard.strategy_names import register_names
 
@@ -109,7 +105,13 @@ class _NoSyncControl(_BackwardSyncControl):
         return no_sync(inner, enabled=enabled)
 
 
-class FlatShardFabricStrategy(ParallelStrategy):
+@takes_options(
+    OptionArguments,
+    omitted={
+        "grad_accumulation": "a Fabric loop chooses per backward with ``fabric.no_backward_sync(model)``."
+    },
+)
+class FlatShardFabricStrategy(ShellMembers, ParallelStrategy):
     """Fabric counterpart of :class:`flatshard.FlatShardStrategy`: the same arguments except
     ``grad_accumulation``. Each argument is described once, beside the option it sets (see [Note: options
     described once]); the list below is generated from those descriptions.
@@ -127,29 +129,10 @@ class FlatShardFabricStrategy(ParallelStrategy):
         precision: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        sharding_strategy: ShardingStrategy | str = "FULL_SHARD",
-        auto_wrap_policy: Any = None,
-        activation_checkpointing_policy: Any = None,
-        cpu_offload: bool | CPUOffload | None = None,
-        mixed_precision: MixedPrecision | dict[str, Any] | None = None,
-        limit_all_gathers: bool = True,
-        backward_prefetch: BackwardPrefetch | str | None = "BACKWARD_PRE",
-        forward_prefetch: bool = False,
-        reshard_root_after_forward: bool = False,
-        state_dict_type: Literal["full", "sharded"] = "full",
-        sync_module_states: bool = False,
-        param_init_fn: Callable[[Module], None] | None = None,
-        shard_group_size: int | None = None,
-        process_group: Any | None = None,
-        device_mesh: Any | None = None,
-        start_method: Literal["popen", "spawn"] = "popen",
-        compile: bool | dict[str, Any] = False,
-        desync_timeout: float | timedelta | None = 60.0,
-        async_save: bool = False,
-        allow_dtype_kind_cast: bool = False,
+        **options: Unpack[OptionArguments],
     ) -> None:
         # Options first: the precision setter, called by the base __init__, checks the flag against them.
-        self._core = StrategyCore(StrategyOptions.from_arguments(locals()))
+        self._take_arguments(FlatShardFabricStrategy, options, process_group_backend, timeout)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -158,20 +141,8 @@ class FlatShardFabricStrategy(ParallelStrategy):
             precision=precision,
         )
         self._num_nodes = 1
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
         self._sharded_modules: list[Module] = []
         self._backward_sync_control = _NoSyncControl()
-
-    @property
-    def options(self) -> StrategyOptions:
-        return self._core.options
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
 
     @property
     def num_nodes(self) -> int:
@@ -180,15 +151,6 @@ class FlatShardFabricStrategy(ParallelStrategy):
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property  # type: ignore[override]
     @override
@@ -274,10 +236,6 @@ class FlatShardFabricStrategy(ParallelStrategy):
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         barrier(self.root_device)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return broadcast_object(obj, src)
 
     @override
     def clip_gradients_norm(
@@ -463,11 +421,3 @@ class FlatShardFabricStrategy(ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_names(strategy_registry, cls)
-
-
-document_strategy(
-    FlatShardFabricStrategy,
-    omitted={
-        "grad_accumulation": "a Fabric loop chooses per backward with ``fabric.no_backward_sync(model)``."
-    },
-)

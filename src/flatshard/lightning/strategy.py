@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -21,17 +21,13 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
-from torch.nn import Module
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from flatshard.checkpoint import (
     gather_for_save,
     load_into,
 )
 from flatshard.engine import (
-    BackwardPrefetch,
-    CPUOffload,
-    MixedPrecision,
     ShardingStrategy,
     full_model_state_dict,
     full_optim_state_dict,
@@ -43,16 +39,15 @@ from flatshard.engine import (
     sharded_model_state_dict,
     sharded_optim_state_dict,
 )
-from flatshard.lightning.core import StrategyCore
+from flatshard.lightning.core import ShellMembers
 from flatshard.lightning.distributed import (
     barrier,
-    broadcast_object,
     init_process_group,
     reduce_tensor,
     set_world_ranks,
 )
 from flatshard.lightning.launcher import SpawnLauncher
-from flatshard.lightning.options import StrategyOptions, document_strategy
+from flatshard.lightning.options import TrainerOptionArguments, takes_options
 from flatshard.lightning.precision import FlatShardPrecision, to_flatshard_precision
 from flatshard.lightning.step_modes import StepModes
 from flatshard.lightning.summary import count_full_parameters
@@ -69,7 +64,8 @@ log = logging.getLogger(__name__)
 __all__ = ["FlatShardStrategy"]
 
 
-class FlatShardStrategy(ParallelStrategy):
+@takes_options(TrainerOptionArguments)
+class FlatShardStrategy(ShellMembers, ParallelStrategy):
     r"""Fully sharded data-parallel training with flatshard's engine.
 
     Arguments mirror Lightning's ``FSDPStrategy`` so that migrating is a one-word change. Each argument is
@@ -88,40 +84,10 @@ class FlatShardStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        sharding_strategy: ShardingStrategy | str = "FULL_SHARD",
-        auto_wrap_policy: set[type[Module]]
-        | list[type[Module]]
-        | list[str]
-        | int
-        | Callable[..., bool]
-        | None = None,
-        activation_checkpointing_policy: set[type[Module]]
-        | list[type[Module]]
-        | list[str]
-        | int
-        | Callable[..., bool]
-        | None = None,
-        cpu_offload: bool | CPUOffload | None = None,
-        mixed_precision: MixedPrecision | dict[str, Any] | None = None,
-        limit_all_gathers: bool = True,
-        backward_prefetch: BackwardPrefetch | str | None = "BACKWARD_PRE",
-        forward_prefetch: bool = False,
-        reshard_root_after_forward: bool = False,
-        state_dict_type: Literal["full", "sharded"] = "full",
-        sync_module_states: bool = False,
-        param_init_fn: Callable[[Module], None] | None = None,
-        grad_accumulation: Literal["sharded", "no_sync"] = "sharded",
-        shard_group_size: int | None = None,
-        process_group: Any | None = None,
-        device_mesh: Any | None = None,
-        start_method: Literal["popen", "spawn"] = "popen",
-        compile: bool | dict[str, Any] = False,
-        desync_timeout: float | timedelta | None = 60.0,
-        async_save: bool = False,
-        allow_dtype_kind_cast: bool = False,
+        **options: Unpack[TrainerOptionArguments],
     ) -> None:
         # Options first: the precision setter, called by the base __init__, checks the flag against them.
-        self._core = StrategyCore(StrategyOptions.from_arguments(locals()))
+        self._take_arguments(FlatShardStrategy, options, process_group_backend, timeout)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -130,41 +96,16 @@ class FlatShardStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.num_nodes = 1
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
         self._step_modes = StepModes()
 
     # ------------------------------------------------------------------ properties
-    @property
-    def options(self) -> StrategyOptions:
-        return self._core.options
-
     @property
     def sharding_strategy(self) -> ShardingStrategy:
         return self.options.shard.sharding_strategy
 
     @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
-    @property
     def is_distributed(self) -> bool:  # read by Lightning to add a DistributedSampler
         return True
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
     @override
@@ -392,10 +333,6 @@ class FlatShardStrategy(ParallelStrategy):
         barrier(self.root_device)
 
     @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return broadcast_object(obj, src)
-
-    @override
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean"
     ) -> Tensor:
@@ -489,6 +426,3 @@ class FlatShardStrategy(ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_names(strategy_registry, cls)
-
-
-document_strategy(FlatShardStrategy)  # its Args: section, from the options' descriptions
