@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import flatshard
 from flatshard.engine import unit_states
-from flatshard.engine.process_groups import hybrid_groups
+from flatshard.engine.setup.process_groups import hybrid_groups
 from flatshard.engine.transport import comm
 from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT, make_batch
@@ -105,7 +105,7 @@ def _one_node(rank: int, world: int) -> dict[str, object]:
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("flatshard.engine.process_groups")
+    logger = logging.getLogger("flatshard.engine.setup.process_groups")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     out: dict[str, object] = {}

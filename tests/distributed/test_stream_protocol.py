@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import flatshard
-from flatshard.engine import handle as handle_module
 from flatshard.engine import unit_states
 from flatshard.engine.handle import FlatParamHandle
+from flatshard.engine.transport import comm as comm_module
 from flatshard.engine.transport.streams import CommContext
 from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT, make_batch
@@ -151,7 +151,7 @@ def _no_gather_wait(self: FlatParamHandle, streams: CommContext | None = None) -
 
 
 def _drops_keepalive() -> Callable[..., Any]:
-    real = handle_module._InFlight
+    real = comm_module.InFlight
 
     def make(pending: Any, event: Any, keepalive: Any, host: Any = None) -> Any:
         return real(pending, event, None, host)  # the unsharded gradient may be freed while reduced
@@ -161,7 +161,7 @@ def _drops_keepalive() -> Callable[..., Any]:
 
 SABOTAGE: dict[str, tuple[dict[str, Any], str]] = {
     "gather_wait": ({}, "wait_unshard"),
-    "keepalive": ({}, "_InFlight"),
+    "keepalive": ({}, "InFlight"),
     "offload_host_wait": ({"cpu_offload": True}, "sync_host"),
 }
 
@@ -172,8 +172,8 @@ def _sabotaged(rank: int, world: int) -> dict[str, list[str]]:
         with pytest.MonkeyPatch.context() as mp:
             if target == "wait_unshard":
                 mp.setattr(FlatParamHandle, "wait_unshard", _no_gather_wait)
-            elif target == "_InFlight":
-                mp.setattr(handle_module, "_InFlight", _drops_keepalive())
+            elif target == "InFlight":
+                mp.setattr(comm_module, "InFlight", _drops_keepalive())
             else:
                 mp.setattr(CommContext, "sync_host", lambda self, stream: None)
             _, (rec, _) = _trained(rank, world, options, fake=True)

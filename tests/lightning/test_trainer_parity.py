@@ -18,7 +18,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 import flatshard
 from flatshard.engine import unit_states
-from flatshard.engine.activation_checkpointing import is_checkpointed
+from flatshard.engine.setup.activation_checkpointing import is_checkpointed
 from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT
 

@@ -12,7 +12,7 @@ from torch._dynamo.testing import CompileCounter
 
 import flatshard
 from flatshard.engine import compile_kwargs, compile_units
-from flatshard.engine.compile import leaf_units
+from flatshard.engine.calls.compile import leaf_units
 from flatshard.engine.runtime import get_unit_state
 from flatshard.testing.dynamo import watch_dynamo
 from flatshard.testing.models import Block, TinyGPT, make_batch

@@ -190,7 +190,7 @@ def test_buffer_dtype_alone_leaves_batch_norm_in_full_precision() -> None:
 
 def test_activation_checkpointing_never_checkpoints_the_sharded_module_itself() -> None:
     """A size policy matches the root (it holds every parameter): only modules below it are checkpointed."""
-    from flatshard.engine.activation_checkpointing import is_checkpointed
+    from flatshard.engine.setup.activation_checkpointing import is_checkpointed
 
     torch.manual_seed(0)
     reference = TinyGPT()

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch.nn as nn
 
-from flatshard.engine.wrap import plan_units, resolve_policy, select_unit_modules
+from flatshard.engine.setup.wrap import plan_units, resolve_policy, select_unit_modules
 from flatshard.testing.models import Block, TinyGPT
 
 

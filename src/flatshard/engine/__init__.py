@@ -4,17 +4,26 @@ This module is the engine's contract: every name the rest of the package (``chec
 ``cli.py``, ``testing/``) uses is exported here and imported from ``flatshard.engine``, never from a
 submodule. Layout (see ``docs/concepts.md`` for a map by question):
 
-- the runtime core: ``config`` (options), ``shard`` (the entry point), ``wrap`` (unit planning),
-  ``materialize``, ``process_groups``, ``precision``, ``activation_checkpointing``, ``flat_param`` (index
-  math), ``handle`` (one unit's flat parameter), ``runtime`` (hooks), ``forward_methods`` (methods other
-  than forward that gather), ``exec_order``, ``clip``, ``compile`` (``torch.compile`` of units);
-- ``transport/``: collectives, the shared-memory transport, memory blocks, streams, the limiter;
-- ``state/``: full and sharded model / optimizer state, the streamed gather, ``unshard_params``.
+- the core: ``config`` (options), ``shard`` (the entry point), ``flat_param`` (index math), ``handle`` (one
+  unit's flat parameter: the gather path), ``gradients`` (the gradient path), ``precision``, ``runtime``
+  (the hooks), ``exec_order`` (prefetch order);
+- ``setup/``: what ``shard()`` does once: unit planning, materializing, process groups, activation
+  checkpointing;
+- ``calls/``: calling a sharded model beyond forward: other methods (``generate``), ``torch.compile``,
+  uneven loops (join);
+- ``step/``: at the optimizer step: gradient clipping, EMA;
+- ``state/``: full and sharded model / optimizer state, the streamed gather, ``unshard_params``;
+- ``transport/``: collectives, the shared-memory transport, memory blocks, streams, the limiter, the
+  desync watchdog.
 """
 
-from flatshard.engine.activation_checkpointing import CheckFn
-from flatshard.engine.clip import clip_grad_norm_, clip_grad_norm_params_
-from flatshard.engine.compile import compile_kwargs, compile_units
+from flatshard.engine.calls.compile import compile_kwargs, compile_units
+from flatshard.engine.calls.forward_methods import (
+    is_forward_method,
+    register_forward_method,
+    register_generate,
+)
+from flatshard.engine.calls.join import JoinState, begin_join, end_join, join
 from flatshard.engine.config import (
     BackwardPrefetch,
     CPUOffload,
@@ -23,10 +32,9 @@ from flatshard.engine.config import (
     ShardingStrategy,
     ShardOptions,
 )
-from flatshard.engine.ema import EMA, check_decay
-from flatshard.engine.forward_methods import is_forward_method, register_forward_method, register_generate
-from flatshard.engine.join import JoinState, begin_join, end_join, join
 from flatshard.engine.runtime import ForwardCall, begin_backward_in_forward, forward_call, regather_in_forward
+from flatshard.engine.setup.activation_checkpointing import CheckFn
+from flatshard.engine.setup.wrap import Policy
 from flatshard.engine.shard import is_sharded, no_sync, shard, unit_states
 from flatshard.engine.state.full_model import (
     check_full_model_state_dict,
@@ -53,10 +61,11 @@ from flatshard.engine.state.sharded import (
 from flatshard.engine.state.stand_ins import saved_piece, stand_in
 from flatshard.engine.state.state_dict import get_state_dict, optimizer_list, set_state_dict
 from flatshard.engine.state.unshard_params import unshard_params
+from flatshard.engine.step.clip import clip_grad_norm_, clip_grad_norm_params_
+from flatshard.engine.step.ema import EMA, check_decay
 from flatshard.engine.transport.comm import global_rank, uses_nccl
 from flatshard.engine.transport.processes import ProcessId
 from flatshard.engine.transport.watchdog import DesyncError, wait_collective
-from flatshard.engine.wrap import Policy
 
 __all__ = [
     "EMA",

@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from flatshard.engine.activation_checkpointing import CheckFn, resolve_checkpointing_policy
-from flatshard.engine.wrap import Policy, resolve_policy
+from flatshard.engine.setup.activation_checkpointing import CheckFn, resolve_checkpointing_policy
+from flatshard.engine.setup.wrap import Policy, resolve_policy
 
 __all__ = [
     "BackwardPrefetch",

@@ -262,7 +262,7 @@ _PLAIN_FORWARD = ForwardCall()
 
 class _OutsideGraphs:
     """A hook method that dynamo never traces: it runs eagerly, outside compiled graphs (see [Note:
-    torch.compile] in ``flatshard.engine.compile``). The method is wrapped in ``torch.compiler.disable`` when
+    torch.compile] in ``flatshard.engine.calls.compile``). The method is wrapped in ``torch.compiler.disable`` when
     first looked up, so that importing flatshard does not import dynamo; it binds like a method, so copies and
     pickles of a unit call their own state."""
 

@@ -12,22 +12,22 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from flatshard.engine.activation_checkpointing import CheckFn, apply_activation_checkpointing
-from flatshard.engine.compile import seal_enclosing_forwards
+from flatshard.engine.calls.compile import seal_enclosing_forwards
 from flatshard.engine.config import ShardingStrategy, ShardOptions
 from flatshard.engine.handle import FlatParamHandle
-from flatshard.engine.materialize import has_meta_tensors, materialize_modules, materialize_unit
 from flatshard.engine.precision import (
     UnitPrecision,
     cast_buffers,
     full_precision_modules,
     keep_full_precision,
 )
-from flatshard.engine.process_groups import resolve_groups
 from flatshard.engine.runtime import STATE_ATTR, UnitState, get_unit_state
+from flatshard.engine.setup.activation_checkpointing import CheckFn, apply_activation_checkpointing
+from flatshard.engine.setup.materialize import has_meta_tensors, materialize_modules, materialize_unit
+from flatshard.engine.setup.process_groups import resolve_groups
+from flatshard.engine.setup.wrap import plan_units, select_unit_modules
 from flatshard.engine.transport import comm, shm, watchdog
 from flatshard.engine.transport.env import check_environment
-from flatshard.engine.wrap import plan_units, select_unit_modules
 
 __all__ = ["is_sharded", "no_sync", "shard", "unit_states"]
 

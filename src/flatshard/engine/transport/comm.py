@@ -32,6 +32,7 @@ from flatshard.engine.transport.pieces import FlatPieces
 
 __all__ = [
     "CollectiveTiming",
+    "InFlight",
     "Pending",
     "all_gather_flat",
     "all_reduce_flat",
@@ -129,6 +130,19 @@ class Pending(NamedTuple):
         if self.timing.busy is None and ended:
             self.timing.busy = (self.work.started_ns, ended)
         return self.output
+
+
+class InFlight(NamedTuple):
+    """A collective issued for a unit: its work, the side-stream event (CUDA) and what it reads (see [Note:
+    stream overlap])."""
+
+    pending: Pending
+    event: Any | None  # recorded on the side stream after the collective; None on CPU
+    # inputs the side stream reads (one, or a tuple), alive until the compute stream has waited for ``event``
+    keepalive: torch.Tensor | FlatPieces | tuple[torch.Tensor, ...] | None
+    # CPU offload on CUDA: the host buffer the reduced gradient shard is being copied into, readable once
+    # the CPU has waited for the post-backward stream (see [Note: CPU offload])
+    host: torch.Tensor | None = None
 
 
 def _wait(work: Any, label: watchdog.Label | None, output: torch.Tensor) -> None:

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from flatshard.engine.wrap import resolve_policy
+from flatshard.engine.setup.wrap import resolve_policy
 
 __all__ = [
     "apply_activation_checkpointing",

@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 
+from flatshard.engine.setup.wrap import UnitPlan
 from flatshard.engine.transport import memory
-from flatshard.engine.wrap import UnitPlan
 
 __all__ = ["ParamInitFn", "has_meta_tensors", "materialize_modules", "materialize_unit"]
 

@@ -49,8 +49,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from flatshard.engine.activation_checkpointing import checkpointed_call
 from flatshard.engine.runtime import get_unit_state
+from flatshard.engine.setup.activation_checkpointing import checkpointed_call
 
 __all__ = ["compile_kwargs", "compile_units", "leaf_units", "seal_enclosing_forwards"]
 

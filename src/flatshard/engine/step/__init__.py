@@ -1,0 +1,5 @@
+"""What runs at the optimizer step on sharded state, without gathering it.
+
+- ``clip``: the gradient norm over every rank's gradient shards, and clipping by it.
+- ``ema``: an exponential moving average of the weights, kept as pieces of each rank's shard.
+"""
