@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import flatshard
 from flatshard.engine.handle import HandleState
-from flatshard.engine.shard import unit_states
+from flatshard.engine.runtime import unit_states
 from flatshard.testing.models import Block, TinyGPT, make_batch
 
 

@@ -32,10 +32,16 @@ from flatshard.engine.config import (
     ShardingStrategy,
     ShardOptions,
 )
-from flatshard.engine.runtime import ForwardCall, begin_backward_in_forward, forward_call, regather_in_forward
+from flatshard.engine.runtime import (
+    ForwardCall,
+    begin_backward_in_forward,
+    forward_call,
+    regather_in_forward,
+    unit_states,
+)
 from flatshard.engine.setup.activation_checkpointing import CheckFn
 from flatshard.engine.setup.wrap import Policy
-from flatshard.engine.shard import is_sharded, no_sync, shard, unit_states
+from flatshard.engine.shard import is_sharded, no_sync, shard
 from flatshard.engine.state.full_model import (
     check_full_model_state_dict,
     full_model_state_dict,

@@ -64,6 +64,11 @@ class ShardingStrategy(enum.Enum):
     def is_hybrid(self) -> bool:
         return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
 
+    @property
+    def shards(self) -> bool:
+        """Whether parameters are split across ranks at all (every strategy but ``NO_SHARD``)."""
+        return self is not ShardingStrategy.NO_SHARD
+
 
 class BackwardPrefetch(enum.Enum):
     """When the next unit's all-gather is issued during backward."""

@@ -87,6 +87,7 @@ __all__ = [
     "forward_call",
     "get_unit_state",
     "regather_in_forward",
+    "unit_states",
 ]
 
 log = logging.getLogger(__name__)
@@ -526,6 +527,11 @@ def all_units() -> list[nn.Module]:
 def get_unit_state(module: nn.Module) -> UnitState | None:
     state = module.__dict__.get(STATE_ATTR)
     return state if isinstance(state, UnitState) else None
+
+
+def unit_states(module: nn.Module) -> list[UnitState]:
+    """Every unit at or below ``module``, in ``.modules()`` order."""
+    return [s for m in module.modules() for s in [get_unit_state(m)] if s is not None]
 
 
 @contextmanager

@@ -21,7 +21,7 @@ from flatshard.engine.precision import (
     full_precision_modules,
     keep_full_precision,
 )
-from flatshard.engine.runtime import STATE_ATTR, UnitState, get_unit_state
+from flatshard.engine.runtime import STATE_ATTR, UnitState, get_unit_state, unit_states
 from flatshard.engine.setup.activation_checkpointing import CheckFn, apply_activation_checkpointing
 from flatshard.engine.setup.materialize import has_meta_tensors, materialize_modules, materialize_unit
 from flatshard.engine.setup.process_groups import resolve_groups
@@ -29,7 +29,7 @@ from flatshard.engine.setup.wrap import plan_units, select_unit_modules
 from flatshard.engine.transport import comm, shm, watchdog
 from flatshard.engine.transport.env import check_environment
 
-__all__ = ["is_sharded", "no_sync", "shard", "unit_states"]
+__all__ = ["is_sharded", "no_sync", "shard"]
 
 
 def _default_device(module: nn.Module, ignored: set[nn.Module], group: Any | None) -> torch.device:
@@ -263,11 +263,6 @@ def _move_buffers(
 def is_sharded(module: nn.Module) -> bool:
     """Whether ``module`` is a unit created by ``shard()``."""
     return get_unit_state(module) is not None
-
-
-def unit_states(module: nn.Module) -> list[UnitState]:
-    """Every unit at or below ``module``, in ``.modules()`` order."""
-    return [s for m in module.modules() for s in [get_unit_state(m)] if s is not None]
 
 
 @contextmanager

@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from flatshard.engine.runtime import RootContext, UnitState, get_unit_state
-from flatshard.engine.shard import unit_states
+from flatshard.engine.runtime import RootContext, UnitState, get_unit_state, unit_states
 from flatshard.engine.transport.comm import global_rank, uses_nccl
 
 __all__ = ["JoinState", "begin_join", "end_join", "join"]

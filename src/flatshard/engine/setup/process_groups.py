@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from flatshard.engine.config import ShardingStrategy
+if TYPE_CHECKING:
+    from flatshard.engine.config import ShardingStrategy  # its values are only read
 
 __all__ = ["hybrid_groups", "resolve_groups"]
 
@@ -69,7 +70,7 @@ def resolve_groups(
             f"{strategy.name}."
         )
     group = process_group if process_group is not None else dist.group.WORLD
-    if strategy is ShardingStrategy.NO_SHARD:
+    if not strategy.shards:
         return None, (group if dist.get_world_size(group) > 1 else None)
     return group, None
 

@@ -15,8 +15,7 @@ import torch.nn as nn
 
 from flatshard.engine.handle import FlatParamHandle, handle_of_param
 from flatshard.engine.precision import original_buffer_dtypes
-from flatshard.engine.runtime import Summoned, TrainingState, UnitState
-from flatshard.engine.shard import unit_states
+from flatshard.engine.runtime import Summoned, TrainingState, UnitState, unit_states
 from flatshard.engine.state.stand_ins import saved_piece, saved_value, stand_in
 from flatshard.engine.state.stream_gather import GatherItem, gather_items
 from flatshard.engine.transport import comm

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from flatshard.engine.handle import locate_params
-from flatshard.engine.shard import unit_states
+from flatshard.engine.runtime import unit_states
 from flatshard.engine.state.full_optim import optimizer_params
 
 __all__ = ["original_shapes", "rebind_optimizer"]

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from flatshard.engine.runtime import Summoned
-from flatshard.engine.shard import is_sharded, unit_states
+from flatshard.engine.runtime import Summoned, unit_states
+from flatshard.engine.shard import is_sharded
 from flatshard.engine.state.sharded import ParamShard, param_shard
 from flatshard.engine.state.stand_ins import live_pieces, saved_piece, set_stand_ins, standing_in
 from flatshard.engine.state.state_dict import get_state_dict, set_state_dict
