@@ -31,6 +31,7 @@ from .test_killed_save import (
     _digest_of,
     _fresh_sharded_model,
     _kill_group,
+    _remove_orphaned_semaphores,
     _tmp_entries,
     dirs,  # noqa: F401  (fixture)
 )
@@ -79,8 +80,7 @@ def test_killed_async_save_keeps_the_previous_directory(dirs: tuple[Path, Path])
             time.sleep(0.001)
     finally:
         _kill_group(proc)
-        for leftover in set(Path("/dev/shm").glob("sem.mp-*")) - semaphores:
-            leftover.unlink(missing_ok=True)
+        _remove_orphaned_semaphores(semaphores)
 
     assert not (markers / f"done-{in_flight}.json").exists()
     previous = in_flight - 1

@@ -72,6 +72,39 @@ def _live_members(pgid: int) -> list[int]:
     return pids
 
 
+def _mapped_anywhere(paths: set[Path]) -> set[Path]:
+    """Those of ``paths`` that a live process maps (a named semaphore is mapped by every process using it;
+    ``/proc/PID/maps`` may show it under the temporary name it was created with, so files are matched by
+    device and inode)."""
+    ids: dict[tuple[str, int], Path] = {}
+    for p in paths:
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue
+        ids[(f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", st.st_ino)] = p
+    mapped: set[Path] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            lines = maps.read_text().splitlines()
+        except OSError:  # exited meanwhile, or not readable
+            continue
+        for line in lines:
+            fields = line.split(maxsplit=5)
+            if len(fields) >= 5 and fields[4] != "0" and (fields[3], int(fields[4])) in ids:
+                mapped.add(ids[(fields[3], int(fields[4]))])
+    return mapped
+
+
+def _remove_orphaned_semaphores(before: set[Path]) -> None:
+    """Unlink the named semaphores that appeared since ``before`` and no live process uses: those of a killed
+    group, whose multiprocessing resource tracker died with it. A semaphore another process (a concurrent
+    test session) still maps is left alone."""
+    new = set(Path("/dev/shm").glob("sem.mp-*")) - before
+    for leftover in new - _mapped_anywhere(new):
+        leftover.unlink(missing_ok=True)
+
+
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -115,9 +148,8 @@ def _run_until_killed_mid_save(kind: str, path: Path, markers: Path) -> dict[str
     finally:
         _kill_group(proc)
         # The group's multiprocessing resource tracker died with it, so nothing unlinks the named
-        # semaphores its ranks created: remove what appeared while it ran (nothing else makes them here).
-        for leftover in set(Path("/dev/shm").glob("sem.mp-*")) - semaphores:
-            leftover.unlink(missing_ok=True)
+        # semaphores its ranks created.
+        _remove_orphaned_semaphores(semaphores)
     done = sorted(int(p.stem.split("-")[1]) for p in markers.glob("done-*.json"))
     last = done[-1]
     return {

@@ -43,7 +43,12 @@ from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT, make_batch
 
 from ..distributed._killed_save_worker import file_digests
-from ..distributed.test_killed_save import _digest_of, _fresh_sharded_model, _kill_group
+from ..distributed.test_killed_save import (
+    _digest_of,
+    _fresh_sharded_model,
+    _kill_group,
+    _remove_orphaned_semaphores,
+)
 from ..lightning.lit_common import LitGPT, make_loader, make_trainer
 
 BOUND_S = 30.0  # generous: the failures below arrive within a second or two
@@ -368,8 +373,7 @@ def test_a_killed_rank_fails_the_save_on_the_others(tmp_path: Path, case: str) -
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         _kill_group(proc)
-        for leftover in set(Path("/dev/shm").glob("sem.mp-*")) - semaphores:
-            leftover.unlink(missing_ok=True)
+        _remove_orphaned_semaphores(semaphores)
     survivor = json.loads((markers / "survivor-0.json").read_text())
     error = survivor["error"]
     assert error is not None and str(path) in error, error
