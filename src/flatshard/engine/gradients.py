@@ -17,6 +17,17 @@ post-backward. There the gradient is reduced: packed into one flat buffer for th
 one, or, on the shared-memory transport, read piece by piece
 (:class:`~flatshard.engine.transport.pieces.FlatPieces`), so the unsharded gradient exists once, not twice
 (autograd's tensors plus a packed copy), and is freed as soon as the transport has read it.
+
+[Note: reducing only what trains]
+Trainable parameters come first in the flat parameter (see [Note: frozen parameters]), so the gradient is
+zero past the *trainable extent* ``T``, the end of the last trainable parameter. A reduction therefore moves
+only the start of each rank's shard, ``chunk = min(shard_len, T)`` elements of it: the gradient to reduce is
+laid out as ``world`` chunks, chunk ``r`` holding elements ``[r * shard_len, r * shard_len + chunk)`` of the
+flat gradient, and the reduce-scatter hands each rank its chunk, whose first ``_grad_numel`` elements are the
+part of its gradient shard it keeps. A unit whose adapters hold 1% of its elements reduces 1% of its size (and
+on one rank of a shard group, or under ``NO_SHARD``, all-reduces only ``[0, T)``); with every parameter
+trainable the chunk is the whole shard and nothing changes. ``no_sync`` keeps its unsharded gradient in the
+same layout, so it holds memory for the trainable extent only.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from flatshard.engine.flat_param import FlatLayout, ShardInfo, split_flat
+from flatshard.engine.flat_param import FlatLayout, ShardInfo
 from flatshard.engine.precision import UnitPrecision, reduce_divisors
 from flatshard.engine.transport import comm, memory
 from flatshard.engine.transport.pieces import FlatPieces
@@ -91,6 +102,8 @@ class UnitGradients:
     requires_grad: list[bool]
     _trainable: list[int]
     _grad_numel: int
+    _shard_len: int
+    _reduce_chunk: int
     layout: FlatLayout
     shard_infos: tuple[ShardInfo, ...]
     shard_group: Any | None
@@ -149,24 +162,38 @@ class UnitGradients:
             self.grad_anchor.grad = None
         return grads
 
+    def _pieces_to_reduce(self, grads: Sequence[torch.Tensor | None]) -> list[tuple[int, torch.Tensor]]:
+        """Each used gradient at its place in the reduction's layout (see [Note: reducing only what trains]):
+        a gradient that crosses shards is split there, and the part in shard ``r`` at offset ``o`` of the
+        flat parameter goes to ``r * chunk + (o - r * shard_len)``."""
+        offsets, length, chunk = self.layout.offsets, self._shard_len, self._reduce_chunk
+        out: list[tuple[int, torch.Tensor]] = []
+        for i, grad in zip(self._trainable, grads, strict=True):
+            if grad is None:
+                continue
+            flat, offset = grad.reshape(-1), offsets[i]
+            while flat.numel():
+                shard = offset // length
+                part = flat[: (shard + 1) * length - offset]
+                out.append((shard * chunk + offset - shard * length, part))
+                flat, offset = flat[part.numel() :], offset + part.numel()
+        return out
+
+    def _reduce_numel(self) -> int:
+        """Elements of the unsharded gradient a reduction takes: ``chunk`` per rank of the shard group."""
+        return self._reduce_chunk * self.shard_world
+
     def pack_grads(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
-        """One padded flat gradient from the trainable views' gradients (``None``: not used, zeros).
+        """One flat gradient in the reduction's layout from the trainable views' gradients (``None``: not
+        used, zeros); see [Note: reducing only what trains].
 
         The buffer is allocated here (on the compute stream) rather than by autograd, so large CPU
         buffers get huge pages (see [Note: huge pages for CPU buffers]).
         """
-        flat = memory.empty_flat(self.layout.padded_numel, self._flat.dtype, self.device)
-        pieces = split_flat(flat, self.layout)
-        written = [False] * len(self.params)
-        for i, grad in zip(self._trainable, grads, strict=True):
-            if grad is not None:
-                pieces[i].copy_(grad)
-                written[i] = True
-        for i, done in enumerate(written):
-            if not done:
-                pieces[i].zero_()
-        flat[self.layout.total_numel :].zero_()
-        return flat
+        flat = memory.empty_flat(self._reduce_numel(), self._flat.dtype, self.device)
+        return FlatPieces(flat.numel(), flat.dtype, self.device, self._pieces_to_reduce(grads)).materialize(
+            flat
+        )
 
     def gradient_to_reduce(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor | FlatPieces:
         """What :meth:`reduce_grad` reduces: these gradients plus what ``no_sync`` kept.
@@ -185,32 +212,41 @@ class UnitGradients:
             and reduce_dtype == self._flat.dtype
             and comm.reads_pieces(self.shard_group)
         ):
-            offsets = self.layout.offsets
-            return FlatPieces(
-                self.layout.padded_numel,
-                reduce_dtype,
-                self.device,
-                [(offsets[i], g) for i, g in zip(self._trainable, grads, strict=True) if g is not None],
-            )
+            return FlatPieces(self._reduce_numel(), reduce_dtype, self.device, self._pieces_to_reduce(grads))
         flat = self.with_unsynced(self.pack_grads(grads))
         assert flat is not None
         return flat
 
     def keep_unsynced(self, flat_grad: torch.Tensor) -> None:
         """Inside ``no_sync``: add an unsharded flat gradient to the ones kept since the last reduction."""
-        if self._unsynced_grad is None:
+        kept = self._kept_unsynced()
+        if kept is None:
             self._unsynced_grad = flat_grad.to(self.precision.grad)  # a buffer of our own: no copy needed
         else:
-            self._unsynced_grad.add_(flat_grad)
+            kept.add_(flat_grad)
 
     def with_unsynced(self, flat_grad: torch.Tensor | None) -> torch.Tensor | None:
         """The gradient to reduce now: ``flat_grad`` plus whatever ``no_sync`` kept (both may be missing)."""
-        kept, self._unsynced_grad = self._unsynced_grad, None
+        kept, self._unsynced_grad = self._kept_unsynced(), None
         if kept is None:
             return flat_grad
         if flat_grad is not None:
             kept.add_(flat_grad)
         return kept
+
+    def _kept_unsynced(self) -> torch.Tensor | None:
+        """What ``no_sync`` kept, in the reduction layout of the current trainable set: parameters frozen or
+        unfrozen between micro-batches change it (a newly frozen parameter's part is dropped: it gets no
+        gradient; a newly trainable one's starts at zero)."""
+        kept = self._unsynced_grad
+        if kept is None or kept.numel() == self._reduce_numel():
+            return kept
+        world, old, new = self.shard_world, kept.numel() // self.shard_world, self._reduce_chunk
+        moved = torch.zeros(world * new, dtype=kept.dtype, device=kept.device)
+        keep = min(old, new)
+        moved.view(world, new)[:, :keep].copy_(kept.view(world, old)[:, :keep])
+        self._unsynced_grad = moved
+        return moved
 
     @property
     def has_unsynced(self) -> bool:
@@ -227,7 +263,7 @@ class UnitGradients:
         :class:`FlatPieces` (see :meth:`gradient_to_reduce`) it needs neither and is reduce-scattered.
         """
         if isinstance(flat_grad, FlatPieces):
-            out = memory.empty_flat(self._sharded.numel(), flat_grad.dtype, self.device)
+            out = memory.empty_flat(self._reduce_chunk, flat_grad.dtype, self.device)
             return comm.InFlight(_reduce_scatter_into(self, out, flat_grad), None, flat_grad)
         reduce_dtype = self.precision.reduce
         if flat_grad.dtype != reduce_dtype:
@@ -239,7 +275,7 @@ class UnitGradients:
         if self.shard_world == 1:
             out, collective = flat_grad, _all_reduce_into if self.replicate_world > 1 else None
         else:
-            out = memory.empty_flat(self._sharded.numel(), reduce_dtype, self.device)  # on compute
+            out = memory.empty_flat(self._reduce_chunk, reduce_dtype, self.device)  # on compute
             collective = _reduce_scatter_into
         if streams is None or not streams.is_cuda:
             pending = collective(self, out, flat_grad) if collective is not None else comm.Pending(out, None)

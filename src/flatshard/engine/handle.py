@@ -231,6 +231,10 @@ class FlatParamHandle(UnitGradients):
         # Elements of this rank's gradient shard up to the last trainable parameter's (see [Note: frozen
         # parameters]): at shard() time a prefix holding exactly the trainable ones.
         self._grad_numel = hi - lo if self.all_require_grad else max(0, min(end, hi) - lo)
+        # What a reduction moves per rank: the start of each shard up to the trainable extent (see [Note:
+        # reducing only what trains]); the whole shard when everything trains.
+        self._shard_len = self.layout.shard_numel if self.shard_world > 1 else self.layout.padded_numel
+        self._reduce_chunk = self._shard_len if self.all_require_grad else min(self._shard_len, end)
 
     def refresh_requires_grad(self, track_frozen: bool = False) -> None:
         """Follow ``requires_grad`` changed on the parameters since the last forward (freezing or unfreezing

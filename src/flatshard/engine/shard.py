@@ -273,7 +273,8 @@ def no_sync(module: nn.Module, enabled: bool = True) -> Iterator[None]:
     Each unit adds its flat gradient to an unsharded buffer of its own (in the gradient dtype) instead of
     reduce-scattering it; the first backward outside the context reduces the sum with its own gradient.
     Communication drops to one reduction per optimizer step; memory grows by one unsharded gradient per
-    unit (the whole model's, as with DDP), kept between micro-batches. Without ``no_sync``, every
+    unit (the whole model's, as with DDP; of its trainable parameters only, see [Note: reducing only what
+    trains]), kept between micro-batches. Without ``no_sync``, every
     micro-batch is reduce-scattered and the gradient shards accumulate: 1/world of that memory. Parameters'
     ``.grad`` is not updated inside the context. Call it on every rank, around the same backward passes.
 
