@@ -140,3 +140,56 @@ def test_frozen_weights_are_not_reduced(transport: dict[str, str]) -> None:
 @pytest.mark.timeout(600)
 def test_frozen_weights_are_not_reduced_hybrid() -> None:
     _check(spawn(_train, 4, HYBRID), HYBRID)
+
+
+class Deep(nn.Module):
+    def __init__(self, n: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[Adapted() for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def _most_gathered_in_backward(rank: int, world: int, frozen_inputs: bool) -> dict[str, int]:
+    """The most units gathered at once during backward, for adapters in every unit and for a first unit that
+    is all frozen (its input needs no gradient)."""
+    from flatshard.engine.handle import FlatParamHandle, HandleState
+
+    torch.manual_seed(0)
+    model = Deep()
+    if frozen_inputs:
+        model.layers[0].requires_grad_(False)
+    flatshard.shard(model, auto_wrap_policy={Adapted})
+    handles = [s.handle for s in unit_states(model) if s.handle is not None]
+    most = {"forward": 0, "backward": 0}
+    phase = ["forward"]
+    real = FlatParamHandle.unshard
+
+    def counting(self: FlatParamHandle, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        gathered = sum(h.state is HandleState.UNSHARDED for h in handles)
+        most[phase[0]] = max(most[phase[0]], gathered)
+
+    FlatParamHandle.unshard = counting  # type: ignore[method-assign]
+    try:
+        for step in range(2):
+            x, y = _batch(step, 4)
+            phase[0] = "forward"
+            loss = nn.functional.mse_loss(model(x), y)
+            phase[0] = "backward"
+            loss.backward()
+            assert all(h.state is HandleState.SHARDED for h in handles[1:])  # every unit but the root
+    finally:
+        FlatParamHandle.unshard = real  # type: ignore[method-assign]
+    return most
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("frozen_inputs", [False, True], ids=["adapters", "frozen_first_unit"])
+def test_units_with_frozen_parameters_free_them_during_backward(frozen_inputs: bool) -> None:
+    """Each unit reshards once its backward is done (see [Note: when a unit with frozen parameters is
+    done]), so backward holds about as many gathered units as forward (the root, the unit, the prefetched
+    one), not the whole model: before, every unit stayed gathered until the end of backward."""
+    for r in spawn(_most_gathered_in_backward, 2, frozen_inputs):
+        assert r["backward"] <= 4, r  # of 7 units (the root holds no parameter here)

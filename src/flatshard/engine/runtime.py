@@ -11,12 +11,25 @@
 3. Pre-backward (a hook on the unit's outputs fired): gather again if the unit was resharded; the first
    one of a backward pass queues the end-of-backward callback.
 4. Post-backward (the unit's gradients are complete; see [Note: gradients of a unit]): finish the
-   previous unit's reduction, start this one's asynchronously and reshard. Units holding frozen
-   parameters reshard at the end of backward instead, since frozen views are not outputs of the
-   unit's gradient node and may still be used to compute input gradients.
+   previous unit's reduction, start this one's asynchronously and reshard, once the unit's backward is
+   done (see [Note: when a unit with frozen parameters is done]).
 5. End of backward: wait for every reduction (with CPU offload the CPU waits once for the copies to host
    memory), accumulate into the gradient shards, reshard whatever is still gathered, reset per-iteration
    state.
+
+[Note: when a unit with frozen parameters is done]
+A unit whose parameters all train is done with its gathered parameters when its gradient node runs: every
+operation that reads them computes a gradient of one of them. Frozen parameters are not inputs of that node,
+and operations that read only them (``base(x)`` of a LoRA layer) may run later in backward, to compute the
+gradient of the unit's inputs for the units before it. So such a unit also waits for the gradients of its
+forward inputs (a hook on the inputs that require grad, per forward call): it reshards when its gradient
+node has run (or it has no trainable parameter) and every input gradient is computed, and at the end of
+backward at the latest. Inputs that need no gradient (the first block of a frozen model) are not waited for:
+autograd never runs an operation whose result reaches no tensor that requires grad. As in torch FSDP2, an
+operation that reads the unit's frozen parameters to compute the gradient of a tensor that is neither an
+input nor a parameter of the unit (a tensor captured from outside, not passed as an argument) is not waited
+for. Without this, every unit of a fine-tuned model stayed gathered until the end of backward: the whole
+model unsharded at once.
 
 [Note: backward inside a forward]
 Lightning runs ``training_step`` as the root's forward, and manual optimization calls ``backward`` (and
@@ -187,6 +200,7 @@ class RootContext:
             handle.assign_grads(used)
         self.callback_queued = False
         for state in self.states:
+            state.reset_backward_watch()
             if state.forward_depth > 0:  # see [Note: backward inside a forward]
                 state.resume_forward()
                 continue
@@ -297,6 +311,10 @@ class UnitState:
         self.recompute_inside = False  # a checkpointed module's parameters belong to this unit
         self._recomputing = False  # this forward is a recomputation inside backward
         self._tracked = False  # this forward is recorded in the execution order (a training forward)
+        # see [Note: when a unit with frozen parameters is done]
+        self._grads_done = False  # the unit's gradient node ran in this backward
+        self._inputs_pending = 0  # forward calls whose input gradients backward has not computed yet
+        self._input_hooks: list[Any] = []
         self.ctx: RootContext | None = None
         self._hook_handles: list[Any] = []
         self._register_hooks()
@@ -360,6 +378,8 @@ class UnitState:
             if tracked:
                 ctx.order.begin_forward()
                 ctx.step += 1
+                for s in ctx.states:  # a forward without backward in between left nothing to wait for
+                    s.reset_backward_watch()
         if tracked:
             ctx.order.note_pre_forward(self)
         if not in_backward:
@@ -379,7 +399,41 @@ class UnitState:
                     cast_floating(args, precision.compute),
                     cast_floating(kwargs, precision.compute),
                 )
+            if tracked and not self.handle.all_require_grad:
+                self._watch_inputs(args, kwargs)
         return args, kwargs
+
+    def _watch_inputs(self, args: Any, kwargs: Any) -> None:
+        """Count this forward call until backward has computed its inputs' gradients (see [Note: when a unit
+        with frozen parameters is done])."""
+        inputs = [
+            t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if inputs:
+            self._inputs_pending += 1
+            self._input_hooks.append(
+                torch.autograd.graph.register_multi_grad_hook(inputs, self._inputs_done, mode="all")
+            )
+
+    @_OutsideGraphs
+    def _inputs_done(self, grads: Any) -> None:
+        self._inputs_pending = max(0, self._inputs_pending - 1)
+        self._reshard_if_backward_done()
+
+    def _reshard_if_backward_done(self) -> None:
+        handle, ctx = self.handle, self.ctx
+        if handle is None or ctx is None or self.forward_depth > 0 or self._inputs_pending > 0:
+            return
+        if handle.any_requires_grad and not self._grads_done:
+            return
+        handle.reshard(ctx.streams, ctx.limiter)
+
+    def reset_backward_watch(self) -> None:
+        self._grads_done = False
+        self._inputs_pending = 0
+        for hook in self._input_hooks:
+            hook.remove()
+        self._input_hooks.clear()
 
     @_OutsideGraphs
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
@@ -505,16 +559,15 @@ class UnitState:
         # gradient is packed or sent, so the previous unit's unsharded gradient is freed first.
         while len(ctx.pending) >= _MAX_PENDING_REDUCTIONS:
             ctx.finish_oldest_reduction()
+        self._grads_done = True
         if not handle.sync_grads:  # see [Note: no_sync]
             handle.keep_unsynced(handle.pack_grads(grads))
-            if handle.all_require_grad and self.forward_depth == 0:
-                handle.reshard(ctx.streams, ctx.limiter)
+            self._reshard_if_backward_done()
             return
         grad = handle.gradient_to_reduce(grads)
         handle.where = (self.path, "backward", ctx.step)
         ctx.pending.append((handle, handle.reduce_grad(grad, ctx.streams)))
-        if handle.all_require_grad and self.forward_depth == 0:
-            handle.reshard(ctx.streams, ctx.limiter)
+        self._reshard_if_backward_done()
         if self.options.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             ctx.prefetch_backward(ctx.order.next_backward(self))
 
