@@ -102,6 +102,36 @@ def make_batches(cfg: dict[str, Any], rank: int, world_size: int, device: torch.
     return out
 
 
+class LoRALinear(torch.nn.Module):
+    """A frozen ``nn.Linear`` plus a trainable low-rank update: ``base(x) + (x @ A.T @ B.T) * alpha / r``.
+
+    ``A`` starts random and ``B`` at zero (LoRA's initialisation, so the first forward is the base model's);
+    the adapters live in the module that replaces the linear, hence in the same unit as the frozen weights.
+    """
+
+    def __init__(self, base: torch.nn.Linear, r: int, alpha: float = 16.0) -> None:
+        super().__init__()
+        self.base = base
+        self.lora_a = torch.nn.Parameter(torch.randn(r, base.in_features) / base.in_features**0.5)
+        self.lora_b = torch.nn.Parameter(torch.zeros(base.out_features, r))
+        self.scale = alpha / r
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_a.t() @ self.lora_b.t()) * self.scale
+
+
+def add_lora(model: torch.nn.Module, r: int) -> int:
+    """Freeze every parameter of ``model`` and put rank-``r`` adapters on each block's MLP linears (the
+    configuration of a typical adapter fine-tune); returns the number of trainable parameters."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for block in model.modules():
+        if isinstance(block, Block):
+            block.mlp.c_fc = LoRALinear(block.mlp.c_fc, r)
+            block.mlp.c_proj = LoRALinear(block.mlp.c_proj, r)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def local_numel(model: torch.nn.Module) -> int:
     total = 0
     for p in model.parameters():

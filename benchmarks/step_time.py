@@ -39,8 +39,8 @@ from bench_contenders import (
     spawn_ranks,
     wrap_contender,
 )
-from bench_measure import MIB, median, mib, proc_status_kib, reset_peak_rss
-from bench_model import MODEL_FIELDS, PRESETS, build_model, local_numel, make_batches
+from bench_measure import MIB, MemoryPoller, median, mib, proc_status_kib, reset_peak_rss, shmem_kib
+from bench_model import MODEL_FIELDS, PRESETS, add_lora, build_model, local_numel, make_batches
 from bench_output import (
     default_out,
     indent,
@@ -78,13 +78,20 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     info: dict[str, Any] = {"rank": rank, "precision_used": cfg["precision"]}
+    pids: list[Any] = [None] * world_size
+    if cfg["poll_memory"]:  # private memory of every rank, and the node's with shared pages once
+        dist.all_gather_object(pids, os.getpid())
+        shmem_base = shmem_kib()  # before the model: the transport's segments count in the node's total
     t_setup = time.perf_counter()
 
     model = build_model(cfg)
+    if cfg["lora"]:  # a fine-tune: the base frozen, adapters on the MLP linears (in the same units)
+        torch.manual_seed(cfg["seed"] + 1)
+        info["trainable_params"] = add_lora(model, cfg["lora"])
     info["num_params"] = sum(p.numel() for p in model.parameters())  # tied weight counted once
     model = wrap_contender(name, model, cfg, rank, device, info)
     info["local_param_numel"] = local_numel(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     batches = make_batches(cfg, rank, world_size, device)
     mixed = info["precision_used"] == "bf16-mixed"
     autocast = (
@@ -114,7 +121,9 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
         info["cuda_allocated_after_setup_mib"] = torch.cuda.memory_allocated(device) / MIB
         torch.cuda.reset_peak_memory_stats(device)
 
+    poller = MemoryPoller(pids, shmem_base) if cfg["poll_memory"] and rank == 0 else contextlib.nullcontext()
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    poller.__enter__()
     losses: list[torch.Tensor] = []
     times: list[float] = []
     warmup_times: list[float] = []  # the first one compiles, for flatshard_compiled
@@ -128,6 +137,9 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
         losses.append(loss)
         (times if i >= cfg["warmup"] else warmup_times).append(dt)
 
+    poller.__exit__(None, None, None)
+    if isinstance(poller, MemoryPoller):
+        info["memory_poll"] = poller.result()
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     # CPU time and page faults of this rank over warmup + timed steps: a high system time / minor-fault
     # count means allocation churn (large tensors mmap'd and unmapped every step), not computation.
@@ -231,6 +243,14 @@ def summarize(name: str, runs: list[list[dict[str, Any]]], cfg: dict[str, Any], 
         "precision_used": last[0]["precision_used"],
         "warmup_step_s_rank0": [round(t, 3) for t in last[0].get("warmup_step_times_s", [])],
     }
+    if "memory_poll" in last[0]:  # sampled by rank 0 over the warmup and timed steps
+        poll = last[0]["memory_poll"]
+        res["private_peak_mib_per_rank"] = poll["private_peak_mib"]
+        res["node_peak_mib"] = poll["node_peak_mib"]
+        res["node_before_mib"] = poll["node_before_mib"]
+    for key in ("trainable_params",):
+        if key in last[0]:
+            res[key] = last[0][key]
     for key in ("flatshard_options", "fsdp1_options", "compiled_units", "compile_kwargs"):
         if key in last[0]:
             res[key] = last[0][key]
@@ -325,6 +345,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="same (default): FSDP1 prefetches in forward when flatshard does; off: FSDP1 keeps its default",
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a contender may run")
+    p.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="R",
+        help="fine-tune: freeze the whole model and train rank-R adapters on every block's MLP linears\n"
+        "(AdamW over the adapters only); 0 (default): train everything",
+    )
+    p.add_argument(
+        "--poll-memory",
+        action="store_true",
+        help="sample every rank's private memory (RssAnon + RssFile) and the node's (private + shared pages\n"
+        "once) every 5 ms from rank 0 during training: peak RSS counts the transport's shared pages in\n"
+        "every rank that maps them",
+    )
     p.add_argument("--out", type=Path, default=None, help="JSON path; the PNG goes next to it")
     p.add_argument(
         "--malloc-mmap-threshold",
@@ -359,9 +394,11 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
         flatshard_backward_prefetch=args.flatshard_backward_prefetch,
         flatshard_forward_prefetch=args.flatshard_forward_prefetch,
         fsdp1_forward_prefetch=args.fsdp1_forward_prefetch,
-        optimizer="AdamW(lr=1e-4), other defaults",
+        optimizer="AdamW(lr=1e-4) over the trainable parameters, other defaults",
         timed_region="forward + cross-entropy + backward + optimizer.step() + zero_grad(set_to_none=True)",
         malloc_mmap_threshold=args.malloc_mmap_threshold,
+        lora=args.lora,
+        poll_memory=args.poll_memory,
         compile_kwargs={
             "backend": args.compile_backend,
             **({"mode": args.compile_mode} if args.compile_mode else {}),
@@ -398,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     if args.malloc_mmap_threshold is not None:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)  # inherited by the ranks
-    out = args.out or default_out(f"step_time_{args.preset}.json")
+    out = args.out or default_out(f"step_time_{args.preset}{f'_lora{args.lora}' if args.lora else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
 
     report: dict[str, Any] = {

@@ -93,6 +93,9 @@ def format_table(results: dict[str, dict[str, Any]], ratios: dict[str, dict[str,
         "peak RSS MiB/rank",
         "train ΔRSS MiB/rank",
     ]
+    polled = any("private_peak_mib_per_rank" in r for r in results.values())
+    if polled:
+        headers += ["private peak MiB/rank", "node peak MiB (shared once)"]
     if cuda:
         headers += ["max alloc MiB/rank", "alloc retries", "MFU"]
     mem_key = "cuda_max_allocated_ratio" if cuda else "peak_rss_ratio"
@@ -113,6 +116,11 @@ def format_table(results: dict[str, dict[str, Any]], ratios: dict[str, dict[str,
             " / ".join(fmt(x, ".0f") for x in r["peak_rss_train_mib_per_rank"]),
             " / ".join(fmt(x, ".0f") for x in r["peak_rss_increase_mib_per_rank"]),
         ]
+        if polled:
+            row += [
+                " / ".join(fmt(x, ".0f") for x in r.get("private_peak_mib_per_rank", [])),
+                fmt(r.get("node_peak_mib"), ".0f"),
+            ]
         if cuda:
             row += [
                 " / ".join(fmt(x, ".0f") for x in r["cuda_max_allocated_mib_per_rank"]),
