@@ -17,21 +17,29 @@ D, R = 48, 4
 
 
 class LoRALinear(nn.Module):
-    def __init__(self) -> None:
+    """A frozen ``d x d`` linear with a rank-``r`` adapter (LoRA's form)."""
+
+    def __init__(self, d: int = D, r: int = R) -> None:
         super().__init__()
-        self.base = nn.Linear(D, D)
+        self.base = nn.Linear(d, d)
         self.base.requires_grad_(False)
-        self.a = nn.Parameter(torch.randn(R, D) * 0.1)
-        self.b = nn.Parameter(torch.randn(D, R) * 0.1)
+        self.a = nn.Parameter(torch.randn(r, d) * 0.1)
+        self.b = nn.Parameter(torch.randn(d, r) * 0.1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base(x) + x @ self.a.t() @ self.b.t()
 
 
 class LoRANet(nn.Module):
-    def __init__(self) -> None:
+    """``n`` adapted linears with GELUs between them."""
+
+    def __init__(self, n: int = 2, d: int = D, r: int = R) -> None:
         super().__init__()
-        self.layers = nn.Sequential(LoRALinear(), nn.GELU(), LoRALinear())
+        layers: list[nn.Module] = []
+        for i in range(n):
+            layers += [nn.GELU()] if i else []
+            layers.append(LoRALinear(d, r))
+        self.layers = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)

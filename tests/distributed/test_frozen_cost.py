@@ -23,30 +23,14 @@ from flatshard.engine import unit_states
 from flatshard.engine.transport import comm
 from flatshard.testing import spawn
 
-D, R = 64, 2
+from .test_frozen import LoRALinear as Adapted
+from .test_frozen import LoRANet
+
+D, R = 64, 2  # adapters are 6% of each unit
 
 
-class Adapted(nn.Module):
-    """A frozen linear with a rank-``R`` adapter (LoRA's form)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.base = nn.Linear(D, D)
-        self.base.requires_grad_(False)
-        self.a = nn.Parameter(torch.randn(R, D) * 0.1)
-        self.b = nn.Parameter(torch.randn(D, R) * 0.1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + x @ self.a.t() @ self.b.t()
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(Adapted(), nn.GELU(), Adapted(), nn.GELU(), Adapted())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x)
+def _net(n: int = 3) -> nn.Module:
+    return LoRANet(n, D, R)
 
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -76,7 +60,7 @@ def _train(rank: int, world: int, configs: dict[str, dict[str, Any]]) -> dict[st
     out = {}
     for name, options in configs.items():
         torch.manual_seed(0)
-        reference = Net()
+        reference = _net()
         model = copy.deepcopy(reference)
         flatshard.shard(model, **options)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -142,22 +126,13 @@ def test_frozen_weights_are_not_reduced_hybrid() -> None:
     _check(spawn(_train, 4, HYBRID), HYBRID)
 
 
-class Deep(nn.Module):
-    def __init__(self, n: int = 6) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(*[Adapted() for _ in range(n)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x)
-
-
 def _most_gathered_in_backward(rank: int, world: int, frozen_inputs: bool) -> dict[str, int]:
     """The most units gathered at once during backward, for adapters in every unit and for a first unit that
     is all frozen (its input needs no gradient)."""
     from flatshard.engine.handle import FlatParamHandle, HandleState
 
     torch.manual_seed(0)
-    model = Deep()
+    model = _net(6)
     if frozen_inputs:
         model.layers[0].requires_grad_(False)
     flatshard.shard(model, auto_wrap_policy={Adapted})

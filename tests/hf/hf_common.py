@@ -23,6 +23,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
     PreTrainedModel,
     ResNetConfig,
     ResNetForImageClassification,
@@ -83,6 +85,19 @@ def build_config(kind: str) -> Any:
             eos_token_id=1,
             decoder_start_token_id=0,
         )
+    if kind == "llama":
+        return LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
     if kind == "resnet":
         return ResNetConfig(
             num_channels=3,
@@ -101,6 +116,7 @@ def build_model(kind: str, seed: int = 0) -> PreTrainedModel:
     cls = {
         "gpt2": GPT2LMHeadModel,
         "t5": T5ForConditionalGeneration,
+        "llama": LlamaForCausalLM,
         "resnet": ResNetForImageClassification,
     }[kind]
     return cls(build_config(kind))

@@ -18,38 +18,23 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from tests.lightning.lit_common import LossRecorder, load_ckpt, make_trainer
 
+from .hf_common import VOCAB, build_model
+
 peft = pytest.importorskip("peft")
 
-VOCAB, SEQ, STEPS, GLOBAL_BATCH = 64, 12, 3, 8
+SEQ, STEPS, GLOBAL_BATCH = 12, 3, 8
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
 def _llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    base = LlamaForCausalLM(config)
+    base = build_model("llama")
     lora = peft.LoraConfig(
         r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"]
     )
     torch.manual_seed(1)
     model = peft.get_peft_model(base, lora)
-    for (
-        name,
-        p,
-    ) in model.named_parameters():  # LoRA's B starts at zero: make the first step's gradients differ
+    # LoRA's B starts at zero: give it values, so that the first step's gradients differ between layers
+    for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
     return model
