@@ -120,3 +120,15 @@ def test_an_option_without_an_argument_type_fails_at_import() -> None:
 
     with pytest.raises(TypeError, match="has no argument type in Partial"):
         takes_options(Partial)(Shell)
+
+
+@pytest.mark.parametrize("cls", STRATEGIES, ids=lambda c: c.__name__)
+def test_positional_arguments_mirror_lightnings_fsdp_strategy(cls: type) -> None:
+    """A positional call that works with Lightning's ``FSDPStrategy`` means the same with flatshard's."""
+    if cls is flatshard.FlatShardStrategy:
+        from lightning.pytorch.strategies import FSDPStrategy
+    else:
+        from lightning.fabric.strategies import FSDPStrategy
+    theirs = list(inspect.signature(FSDPStrategy).parameters)
+    theirs = theirs[: theirs.index("timeout") + 1]
+    assert list(_params(cls))[: len(theirs)] == theirs

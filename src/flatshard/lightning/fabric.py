@@ -125,10 +125,10 @@ class FlatShardFabricStrategy(ShellMembers, ParallelStrategy):
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
         precision: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        checkpoint_io: CheckpointIO | None = None,  # after Lightning's own: positions mirror its FSDPStrategy
         **options: Unpack[OptionArguments],
     ) -> None:
         # Options first: the precision setter, called by the base __init__, checks the flag against them.
