@@ -168,3 +168,39 @@ def test_units_with_frozen_parameters_free_them_during_backward(frozen_inputs: b
     one), not the whole model: before, every unit stayed gathered until the end of backward."""
     for r in spawn(_most_gathered_in_backward, 2, frozen_inputs):
         assert r["backward"] <= 4, r  # of 7 units (the root holds no parameter here)
+
+
+class _Twice(nn.Module):
+    """One adapted unit called twice in a forward, between two others: its backward spans two calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.shared, self.last = LoRANet(1, D, R), LoRANet(1, D, R), LoRANet(1, D, R)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.shared(torch.tanh(self.shared(self.first(x)))))
+
+
+def _train_twice(rank: int, world: int) -> float:
+    torch.manual_seed(0)
+    reference = _Twice()
+    model = copy.deepcopy(reference)
+    flatshard.shard(model, auto_wrap_policy={LoRANet})
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(3):
+        x, y = _batch(step, 4 * world)
+        nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mine = slice(4 * rank, 4 * rank + 4)
+        nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        opt.step()
+        opt.zero_grad()
+    with flatshard.unshard_params(model):
+        return max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+
+
+@pytest.mark.timeout(300)
+def test_a_unit_called_twice_keeps_its_parameters_for_both_backwards() -> None:
+    assert all(error <= 1e-5 for error in spawn(_train_twice, 2))
