@@ -76,6 +76,12 @@ def fmt(v: Any, spec: str = ".3f") -> str:
     return format(v, spec)
 
 
+def failed_row(name: str, result: dict[str, Any], width: int = 90) -> list[str]:
+    """A table row for a contender that failed: its name and the last line of its error."""
+    err = str(result.get("error", "")).strip().splitlines()
+    return [name, "FAILED: " + (err[-1] if err else "?")[:width]]
+
+
 def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
     """A padded Markdown table; a row of two cells is a failed contender (its name and the error)."""
     widths = [max([len(h), *(len(r[i]) for r in rows if len(r) > 2)]) for i, h in enumerate(headers)]

@@ -86,6 +86,7 @@ from bench_model import MODEL_FIELDS
 from bench_model import PRESETS as STEP_TIME_PRESETS
 from bench_output import (
     default_out,
+    failed_row,
     fmt,
     indent,
     machine_info,
@@ -244,8 +245,7 @@ def format_table(results: dict[str, dict[str, Any]], ratios: dict[str, dict[str,
     rows = []
     for name, r in results.items():
         if r.get("status") != "ok":
-            err = r.get("error", "").strip().splitlines()
-            rows.append([name, "FAILED: " + (err[-1] if err else "?")[:90]])
+            rows.append(failed_row(name, r))
             continue
         for phase in PHASES:
             p = r[phase]

@@ -47,7 +47,16 @@ import torch.distributed as dist
 from bench_contenders import spawn_ranks
 from bench_measure import MIB, malloc_trim, median, mib, proc_status_kib, reset_peak_rss, rss_kib
 from bench_model import MODEL_FIELDS, PRESETS, Block, build_model
-from bench_output import default_out, fmt, indent, machine_info, markdown_table, utc_now, write_json
+from bench_output import (
+    default_out,
+    failed_row,
+    fmt,
+    indent,
+    machine_info,
+    markdown_table,
+    utc_now,
+    write_json,
+)
 
 CONTENDERS = ("unsharded", "unshard_params", "rank0_only", "registered", "regather", "plain")
 DESCRIPTIONS = {
@@ -305,8 +314,7 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
     rows = []
     for name, r in results.items():
         if r.get("status") != "ok":
-            err = r.get("error", "").strip().splitlines()
-            rows.append([name, "FAILED: " + (err[-1] if err else "?")[:100]])
+            rows.append(failed_row(name, r, 100))
             continue
         rows.append(
             [

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 from bench_contenders import FLATSHARD_CONTENDERS
-from bench_output import fmt, markdown_table, pyplot, save_figure
+from bench_output import failed_row, fmt, markdown_table, pyplot, save_figure
 
 __all__ = ["compute_ratios", "format_ratios", "format_table", "model_flops_utilization", "plot"]
 
@@ -103,8 +103,7 @@ def format_table(results: dict[str, dict[str, Any]], ratios: dict[str, dict[str,
     rows = []
     for name, r in results.items():
         if r.get("status") != "ok":
-            err = r.get("error", "").strip().splitlines()
-            rows.append([name, "FAILED: " + (err[-1] if err else "?")[:90]])
+            rows.append(failed_row(name, r))
             continue
         row = [
             name,
