@@ -233,7 +233,7 @@ class FlatParamHandle(UnitGradients):
         self._grad_numel = hi - lo if self.all_require_grad else max(0, min(end, hi) - lo)
         # What a reduction moves per rank: the start of each shard up to the trainable extent (see [Note:
         # reducing only what trains]); the whole shard when everything trains.
-        self._shard_len = self.layout.shard_numel if self.shard_world > 1 else self.layout.padded_numel
+        self._shard_len = hi - lo
         self._reduce_chunk = self._shard_len if self.all_require_grad else min(self._shard_len, end)
 
     def refresh_requires_grad(self, track_frozen: bool = False) -> None:
