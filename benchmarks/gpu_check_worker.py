@@ -99,7 +99,7 @@ def run_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         mixed_precision=flatshard.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32),
         device=device,
     )
-    handles = [s.handle for s in unit_states(model) if s.handle is not None]
+    handles = [h for s in unit_states(model) for h in s.handles]
     info: dict[str, Any] = {
         "rank": rank,
         "shard_devices": sorted({h.sharded.device.type for h in handles}),

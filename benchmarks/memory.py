@@ -223,7 +223,7 @@ def _shard(
     flatshard.shard(
         model, sharding_strategy="FULL_SHARD", auto_wrap_policy={Block}, backward_prefetch=prefetch
     )
-    layouts = [s.handle.layout for s in unit_states(model) if s.handle is not None]
+    layouts = [h.layout for s in unit_states(model) for h in s.handles]
     info["unit_numels"] = [lay.total_numel for lay in layouts]  # unsharded, the root unit first
     info["unit_padded_numels"] = [lay.padded_numel for lay in layouts]
     info["local_numel"] = sum(lay.shard_numel for lay in layouts)  # this rank's shard, padding included

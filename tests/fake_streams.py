@@ -560,9 +560,8 @@ def record_streams(model: nn.Module, nccl_like: bool = False) -> Iterator[Stream
 
     recorder = StreamRecorder()
     recorder.nccl_like = nccl_like
-    for state in unit_states(model):
-        handle = state.handle
-        if handle is not None and handle.offload:
+    for handle in (h for state in unit_states(model) for h in state.handles):
+        if handle.offload:
             recorder.register_host(handle.sharded, pinned=True)
     saved: list[tuple[Any, str, Any]] = []
 

@@ -29,7 +29,7 @@ def _run(rank: int, world: int) -> dict[str, float]:
             auto_wrap_policy={Block},
             cpu_offload=flatshard.CPUOffload(True),
         )
-        assert all(s.handle.offload for s in unit_states(model) if s.handle is not None)
+        assert all(h.offload for s in unit_states(model) for h in s.handles)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
         for step in range(3):
@@ -69,4 +69,4 @@ def test_cpu_offload_argument_validation() -> None:
     with pytest.raises(TypeError, match="cpu_offload must be a bool"):
         flatshard.shard(TinyGPT(), cpu_offload="yes")  # type: ignore[arg-type]
     model = flatshard.shard(TinyGPT(), cpu_offload=True)
-    assert unit_states(model)[0].handle.offload
+    assert unit_states(model)[0].handles[0].offload

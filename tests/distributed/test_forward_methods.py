@@ -48,9 +48,9 @@ def _case(rank: int, world: int, strategy: str) -> dict:
         out["unregistered_fails"] = strategy == "NO_SHARD" or world == 1
     except RuntimeError:
         out["unregistered_fails"] = True
-    units = [s for s in unit_states(model) if s.handle is not None]
+    units = [s for s in unit_states(model) if s.handles]
     for s in units:  # a failed call must leave nothing gathered or half-entered
-        s.handle.reshard()
+        s.reshard()
         s.forward_depth = 0
     flatshard.register_forward_method(model.lm, "generate", keep_gathered=False)
     comm.comm_stats.clear()
@@ -63,7 +63,7 @@ def _case(rank: int, world: int, strategy: str) -> dict:
     if strategy != "NO_SHARD":
         # each unit gathered once, instead of once per token (the root is gathered once in both)
         out["fewer_gathers"] = 0 < kept_bytes < regather_bytes / 2
-    out["all_resharded"] = all(s.handle.state is HandleState.SHARDED for s in units)
+    out["all_resharded"] = all(h.state is HandleState.SHARDED for s in units for h in s.handles)
     out["all_idle"] = all(s.forward_depth == 0 for s in unit_states(model))
     # inside unshard_params: no collective; rank 0 alone with rank0_only
     with flatshard.unshard_params(model, writeback=False):

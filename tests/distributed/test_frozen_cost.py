@@ -82,7 +82,7 @@ def _train(rank: int, world: int, configs: dict[str, dict[str, Any]]) -> dict[st
             sent.append(comm.comm_stats["reduce_scatter"] + comm.comm_stats["all_reduce"])
             opt.step()
             opt.zero_grad()
-        handles = [s.handle for s in unit_states(model) if s.handle is not None]
+        handles = [h for s in unit_states(model) for h in s.handles]
         with flatshard.unshard_params(model):
             error = max(
                 (a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters())
@@ -136,7 +136,7 @@ def _most_gathered_in_backward(rank: int, world: int, frozen_inputs: bool) -> di
     if frozen_inputs:
         model.layers[0].requires_grad_(False)
     flatshard.shard(model, auto_wrap_policy={Adapted})
-    handles = [s.handle for s in unit_states(model) if s.handle is not None]
+    handles = [h for s in unit_states(model) for h in s.handles]
     most = {"forward": 0, "backward": 0}
     phase = ["forward"]
     real = FlatParamHandle.unshard

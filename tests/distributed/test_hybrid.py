@@ -77,7 +77,7 @@ def _parity(rank: int, world: int, tmp: str) -> dict[str, object]:
         ("HYBRID_SHARD", "env"),
     ):
         worst, stats, model, opt = _train(rank, world, strategy, how)
-        handles = [s.handle for s in unit_states(model) if s.handle is not None]
+        handles = [h for s in unit_states(model) for h in s.handles]
         assert all(h.shard_world == 2 and h.replicate_world == 2 for h in handles)
         shard_bytes = sum(h.sharded.numel() * h.sharded.element_size() for h in handles)
         out[f"{strategy}/{how}"] = worst
@@ -116,7 +116,7 @@ def _one_node(rank: int, world: int) -> dict[str, object]:
         ("HYBRID_SHARD", "size1", 1, 4),
     ):
         worst, _, model, _ = _train(rank, world, strategy, how)
-        handles = [s.handle for s in unit_states(model) if s.handle is not None]
+        handles = [h for s in unit_states(model) for h in s.handles]
         out[f"{strategy}/{how}"] = worst
         out[f"{strategy}/{how}/groups"] = all(
             h.shard_world == shard_world and h.replicate_world == replicate_world for h in handles

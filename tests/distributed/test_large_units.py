@@ -38,8 +38,9 @@ def _run(rank: int, world: int, strategy: str) -> None:
     )
     mapped: list[bool] = []
     for state in unit_states(model):
-        if state.handle is not None and state.handle.layout.padded_numel * 4 >= 8 << 20:
-            handle = state.handle
+        for handle in state.handles:
+            if handle.layout.padded_numel * 4 < 8 << 20:
+                continue
             state.module.register_forward_pre_hook(
                 lambda *_, h=handle: mapped.append(not h.flat.untyped_storage().resizable())
             )

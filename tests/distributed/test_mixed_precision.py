@@ -291,4 +291,4 @@ def test_mixed_precision_config_errors() -> None:
     with pytest.raises(ValueError, match="not a floating-point dtype"):
         flatshard.shard(nn.Linear(2, 2), mixed_precision={"param_dtype": "int8"})
     lin = flatshard.shard(nn.Linear(2, 2), mixed_precision={"param_dtype": "bf16", "reduce_dtype": "float32"})
-    assert flatshard.engine.unit_states(lin)[0].handle.precision.compute == BF16
+    assert flatshard.engine.unit_states(lin)[0].handles[0].precision.compute == BF16

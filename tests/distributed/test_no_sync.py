@@ -54,9 +54,10 @@ def _run(rank: int, world: int, mapped: bool) -> dict[str, float]:
                             kept_bytes = max(
                                 kept_bytes,
                                 sum(
-                                    s.handle._unsynced_grad.numel() * s.handle._unsynced_grad.element_size()
+                                    h._unsynced_grad.numel() * h._unsynced_grad.element_size()
                                     for s in unit_states(model)
-                                    if s.handle is not None and s.handle._unsynced_grad is not None
+                                    for h in s.handles
+                                    if h._unsynced_grad is not None
                                 ),
                             )
                     if precision is None:

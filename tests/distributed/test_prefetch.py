@@ -16,8 +16,8 @@ from flatshard.testing.models import Block, TinyGPT, make_batch
 
 def _trace_events(model: TinyGPT, backward_prefetch, forward_prefetch: bool) -> list[tuple[str, str]]:
     """Run 2 iterations and return the 2nd's (event, unit) sequence of gathers and reductions."""
-    names = {id(b.__dict__["_flatshard_state"].handle): f"b{i}" for i, b in enumerate(model.blocks)}
-    names[id(model.__dict__["_flatshard_state"].handle)] = "root"
+    names = {id(b.__dict__["_flatshard_state"].handles[0]): f"b{i}" for i, b in enumerate(model.blocks)}
+    names[id(model.__dict__["_flatshard_state"].handles[0])] = "root"
     log: list[tuple[str, str]] = []
     orig_unshard, orig_reduce = FlatParamHandle.unshard, FlatParamHandle.reduce_grad
 

@@ -24,8 +24,8 @@ PER_RANK = 2
 
 def _root_state(model: torch.nn.Module) -> HandleState:
     root = unit_states(model)[0]
-    assert root.handle is not None
-    return root.handle.state
+    assert len(root.handles) == 1
+    return root.handles[0].state
 
 
 def _case(rank: int, world: int, strategy: str, prefetch: str | None, option: bool) -> dict[str, Any]:

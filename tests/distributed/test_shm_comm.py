@@ -44,8 +44,7 @@ def _count_packs(model: torch.nn.Module) -> list[int]:
     """A one-element list counting the model's packed flat gradients (``FlatParamHandle.pack_grads``)."""
     count = [0]
     for state in unit_states(model):
-        handle = state.handle
-        if handle is not None:
+        for handle in state.handles:
             original = handle.pack_grads
 
             def counted(grads: Any, original: Any = original) -> torch.Tensor:

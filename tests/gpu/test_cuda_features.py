@@ -61,9 +61,10 @@ def _train(
                 loss.backward()
             if not last:
                 out["unsynced_devices"] |= {
-                    s.handle._unsynced_grad.device.type
+                    h._unsynced_grad.device.type
                     for s in unit_states(model)
-                    if s.handle is not None and s.handle._unsynced_grad is not None
+                    for h in s.handles
+                    if h._unsynced_grad is not None
                 }
             total = loss.detach().clone()
             dist.all_reduce(total)
@@ -129,7 +130,7 @@ def _meta_init(rank: int, world: int, device: torch.device) -> dict[str, Any]:
         model = TinyGPT()
     names = {m: n for n, m in model.named_modules()}
     flatshard.shard(model, auto_wrap_policy={Block}, param_init_fn=name_seeded_init(names), device=device)
-    handles = [s.handle for s in unit_states(model) if s.handle is not None]
+    handles = [h for s in unit_states(model) for h in s.handles]
     out = {
         "tied": model.head.weight is model.wte.weight,
         "shard_devices": sorted({h.sharded.device.type for h in handles}),

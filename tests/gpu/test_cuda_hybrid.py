@@ -40,7 +40,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
         flatshard.shard(
             model, sharding_strategy=strategy, auto_wrap_policy={Block}, shard_group_size=2, device=device
         )
-        handles = [s.handle for s in unit_states(model) if s.handle is not None]
+        handles = [h for s in unit_states(model) for h in s.handles]
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
         comm.comm_stats.clear()

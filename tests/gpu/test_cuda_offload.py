@@ -81,7 +81,7 @@ def _unshard_with_offload(rank: int, world: int) -> dict[str, Any]:
         for p in reference.parameters():
             p.mul_(0.5)
     out["written"] = max_abs_diff(sharded_params(model), reference_params(reference))
-    handles = [s.handle for s in unit_states(model) if s.handle is not None]
+    handles = [h for s in unit_states(model) for h in s.handles]
     out["pinned_after"] = all(h.sharded.is_pinned() for h in handles)
     out["param_devices_after"] = sorted({p.device.type for p in model.parameters()})
     _zero_grads(model, reference)
@@ -129,7 +129,7 @@ def _fp16_offload(rank: int, world: int, strategy: str) -> dict[str, Any]:
         mixed_precision=mp,
         device=device,
     )
-    pinned = all(s.handle.sharded.is_pinned() for s in unit_states(model) if s.handle is not None)
+    pinned = all(h.sharded.is_pinned() for s in unit_states(model) for h in s.handles)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     ref_opt = torch.optim.SGD(master.parameters(), lr=LR)
     scaler = FlatShardGradScaler(device.type, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)

@@ -68,9 +68,7 @@ def _run_offload_bf16(rank: int, world: int) -> dict[str, float]:
     mp = flatshard.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     flatshard.shard(model, auto_wrap_policy={Block}, cpu_offload=True, mixed_precision=mp, device=rank)
     assert all(p.device.type == "cpu" for p in model.parameters())
-    assert all(
-        s.handle.sharded.is_pinned() for s in flatshard.engine.unit_states(model) if s.handle is not None
-    )
+    assert all(h.sharded.is_pinned() for s in flatshard.engine.unit_states(model) for h in s.handles)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for step in range(3):

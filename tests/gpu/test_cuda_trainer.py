@@ -69,7 +69,7 @@ def _train_all(rank: int, world: int, out_dir: str) -> dict[str, Any]:
         )
         trainer.fit(model, make_loader(STEPS, PER_RANK * world, world))
         trainer.save_checkpoint(os.path.join(out_dir, f"{name}.ckpt"))
-        shards = [s.handle.sharded for s in flatshard.engine.unit_states(model.model) if s.handle is not None]
+        shards = [h.sharded for s in flatshard.engine.unit_states(model.model) for h in s.handles]
         scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
         results[name] = {
             "losses": recorder.losses,

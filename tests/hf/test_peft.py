@@ -195,3 +195,74 @@ def test_peft_adapters_train_as_under_ddp_in_fabric(tmp_path: Any) -> None:
     assert ddp and sorted(ours) == sorted(ddp)
     for key, expected in ddp.items():
         torch.testing.assert_close(ours[key], expected, **TOL, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def _llama_bf16_base() -> torch.nn.Module:
+    """peft on a bf16 base: the adapters stay fp32 (peft's ``autocast_adapter_dtype``), in the same layers."""
+    base = build_model("llama").to(torch.bfloat16)
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"]
+    )
+    torch.manual_seed(1)
+    model = peft.get_peft_model(base, lora)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+class LitBf16Base(LitPeft):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _llama_bf16_base()
+
+
+def _fit_bf16_base(rank: int, world: int, out: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    result: dict[str, Any] = {}
+    for name in ("ddp", "flatshard_block"):
+        module, recorder = LitBf16Base(), LossRecorder()
+        trainer = make_trainer(world, _strategy(name), max_epochs=1, callbacks=[recorder])
+        trainer.fit(module, _loader(world))
+        trainer.save_checkpoint(os.path.join(out, f"bf16-{name}.ckpt"))
+        result[name] = recorder.losses
+    for name in ("ddp", "flatshard"):
+        fabric = L.Fabric(accelerator="cpu", devices=world, strategy=name)
+        fabric.launch()
+        model = _llama_bf16_base()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        model, optimizer = fabric.setup(model, optimizer)
+        losses = []
+        for (batch,) in fabric.setup_dataloaders(_loader(world)):
+            loss = model(input_ids=batch, labels=batch).loss
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(fabric.all_reduce(loss.detach().float(), reduce_op="mean").item())
+        fabric.save(os.path.join(out, f"bf16-fabric-{name}.ckpt"), {"model": model})
+        result[f"fabric-{name}"] = losses
+    return result
+
+
+@pytest.mark.timeout(600)
+def test_peft_adapters_on_a_bf16_base_share_its_units(tmp_path: Any) -> None:
+    """A bf16 base under fp32 adapters in the same decoder-layer units (see [Note: a unit of several dtypes]):
+    trains as under DDP in the Trainer and in Fabric, and the full checkpoint keeps each tensor's dtype."""
+    from flatshard.testing import spawn
+
+    results = spawn(_fit_bf16_base, 2, str(tmp_path))
+    for r in results:
+        for ours, ddp in (("flatshard_block", "ddp"), ("fabric-flatshard", "fabric-ddp")):
+            torch.testing.assert_close(torch.tensor(r[ours]), torch.tensor(r[ddp]), atol=1e-4, rtol=1e-4)
+    for ours, ddp, key in (
+        ("bf16-flatshard_block", "bf16-ddp", "state_dict"),
+        ("bf16-fabric-flatshard", "bf16-fabric-ddp", "model"),
+    ):
+        mine, theirs = load_ckpt(tmp_path / f"{ours}.ckpt")[key], load_ckpt(tmp_path / f"{ddp}.ckpt")[key]
+        assert sorted(mine) == sorted(theirs) and len(mine) > len(_adapters(mine))  # the whole model
+        for name, expected in theirs.items():
+            assert mine[name].dtype == expected.dtype, name  # bf16 base, fp32 adapters
+            assert expected.dtype == (torch.float32 if "lora_" in name else torch.bfloat16), name
+            torch.testing.assert_close(
+                mine[name], expected, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}"
+            )

@@ -52,7 +52,7 @@ LAUNCH_VARIABLES = (
 
 def _groups(model: torch.nn.Module, node_of_rank: list[int]) -> dict[str, Any]:
     """Each unit's (shard_world, replicate_world), and the nodes its shard / replicate groups span."""
-    handles = [s.handle for s in unit_states(model) if s.handle is not None]
+    handles = [h for s in unit_states(model) for h in s.handles]
     assert handles, "no flatshard unit holds parameters: was the model sharded?"
 
     def nodes(group: Any) -> list[int]:

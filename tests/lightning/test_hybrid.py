@@ -57,7 +57,7 @@ def _fit_cases(
         trainer.save_checkpoint(os.path.join(out_dir, f"{prefix}{name}.ckpt"))
         info: dict[str, Any] = {"losses": recorder.losses, "global_rank": trainer.global_rank}
         if name != "ddp":
-            handles = [s.handle for s in unit_states(model) if s.handle is not None]
+            handles = [h for s in unit_states(model) for h in s.handles]
             info["groups"] = sorted({(h.shard_world, h.replicate_world) for h in handles})
         results[name] = info
     return results

@@ -100,7 +100,7 @@ def _run(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     fit_val = {k: float(trainer.callback_metrics[k]) for k in ("val_loss", "val_acc", "val_rank")}
     trainer.save_checkpoint(os.path.join(out_dir, "trained.ckpt"))
 
-    managed = {id(p) for s in unit_states(model) if s.handle is not None for p in s.handle.params}
+    managed = {id(p) for s in unit_states(model) for h in s.handles for p in h.params}
     metric_tensors = _metric_tensors(model)
     validated = trainer.validate(model, _val_loader(), verbose=False)
     assert model.per_class is not None

@@ -32,7 +32,7 @@ def _unique_storage_bytes(tensors: list[torch.Tensor]) -> int:
 
 def _gathered_bytes(model: torch.nn.Module) -> int:
     """Storage still held by the units' gathered (unsharded) flat parameters."""
-    return sum(s.handle.flat.untyped_storage().nbytes() for s in unit_states(model) if s.handle is not None)
+    return sum(h.flat.untyped_storage().nbytes() for s in unit_states(model) for h in s.handles)
 
 
 class Probe(Callback):

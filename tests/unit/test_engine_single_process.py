@@ -56,10 +56,10 @@ def test_units_are_resharded_after_step_and_inference() -> None:
     _, model = _pair(auto_wrap_policy={Block})
     idx, tgt = make_batch(0, 2)
     model.loss(idx, tgt).backward()
-    assert all(s.handle is None or s.handle.state is HandleState.SHARDED for s in unit_states(model))
+    assert all(h.state is HandleState.SHARDED for s in unit_states(model) for h in s.handles)
     with torch.no_grad():
         model(idx)
-    assert all(s.handle is None or s.handle.state is HandleState.SHARDED for s in unit_states(model))
+    assert all(h.state is HandleState.SHARDED for s in unit_states(model) for h in s.handles)
     assert all(isinstance(p, nn.Parameter) for p in model.parameters())
 
 
@@ -116,11 +116,25 @@ def test_hybrid_sharding_without_a_process_group_is_an_error() -> None:
         flatshard.shard(TinyGPT(), sharding_strategy="HYBRID_SHARD")
 
 
-def test_mixed_dtypes_in_one_unit_are_refused() -> None:
-    model = TinyGPT()
-    model.ln_f.double()
-    with pytest.raises(ValueError, match="one dtype"):
-        flatshard.shard(model)
+def test_a_unit_of_several_dtypes_keeps_each_and_matches_the_plain_model() -> None:
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    reference.ln_f.double()
+    model = copy.deepcopy(reference)
+    flatshard.shard(model)
+    state = unit_states(model)[0]
+    assert sorted(str(h.dtype) for h in state.handles) == ["torch.float32", "torch.float64"]
+    assert model.ln_f.weight.dtype == torch.float64 and model.wte.weight.dtype == torch.float32
+    idx = torch.randint(0, 37, (2, 7))
+    for m in (reference, model):
+        m.ln_f.register_forward_pre_hook(lambda _m, args: (args[0].double(),))
+        m.ln_f.register_forward_hook(lambda _m, _a, out: out.float())
+        m.loss(idx, idx).backward()
+    for (name, p), q in zip(reference.named_parameters(), model.parameters(), strict=True):
+        assert q.grad is not None and q.grad.dtype == p.dtype, name
+        torch.testing.assert_close(q.grad.reshape(p.shape), p.grad, msg=name)
+    full, _ = flatshard.get_state_dict(model)
+    assert full["ln_f.weight"].dtype == torch.float64 and full["wte.weight"].dtype == torch.float32
 
 
 def test_state_dict_roundtrip_single_process() -> None:
@@ -233,4 +247,4 @@ def test_evaluation_forwards_leave_the_recorded_order_and_prefetch_alone() -> No
         model.skip = frozenset()
         model.loss(*make_batch(3, 2)).backward()
     assert order.recorded and order.valid
-    assert all(s.handle.state is HandleState.SHARDED for s in unit_states(model) if s.handle is not None)
+    assert all(h.state is HandleState.SHARDED for s in unit_states(model) for h in s.handles)

@@ -134,10 +134,13 @@ class RootContext:
     def __init__(self, root: UnitState, states: list[UnitState]) -> None:
         self.root = root
         self.states = states  # every unit under the root, root first, in .modules() order
-        self.handles = [s.handle for s in states if s.handle is not None]
+        self.handles = [h for s in states for h in s.handles]
         device = next((h.device for h in self.handles), torch.device("cpu"))
         self.streams = CommContext(device)
-        self.limiter = AllGatherLimiter(enabled=root.options.limit_all_gathers)
+        # Two units' buffers in flight (see [Note: rate limiter]): a unit holding parameters of several dtypes
+        # frees one buffer per dtype.
+        per_unit = max((len(s.handles) for s in states), default=1)
+        self.limiter = AllGatherLimiter(2 * per_unit, enabled=root.options.limit_all_gathers)
         self.order: ExecOrder[UnitState] = ExecOrder()
         self.pending: deque[tuple[FlatParamHandle, Any]] = deque()
         self.callback_queued = False
@@ -145,10 +148,13 @@ class RootContext:
 
     def unshard(self, state: UnitState | None) -> None:
         """Issue ``state``'s all-gather if it is sharded (used for its own gather and for prefetch)."""
-        if state is not None and state.handle is not None:
-            handle = state.handle
-            if self.root.join is not None and handle.state is HandleState.SHARDED and handle.shard_world > 1:
-                self.root.join.announce(self, state)  # see [Note: joining uneven evaluation loops]
+        if state is None or not state.handles:
+            return
+        if self.root.join is not None and any(
+            h.state is HandleState.SHARDED and h.shard_world > 1 for h in state.handles
+        ):
+            self.root.join.announce(self, state)  # see [Note: joining uneven evaluation loops]
+        for handle in state.handles:
             handle.where = (state.path, "backward" if self.callback_queued else "forward", self.step)
             handle.unshard(self.streams, self.limiter)
 
@@ -167,8 +173,8 @@ class RootContext:
             if not state.deferred_reshard:
                 continue
             state.deferred_reshard = False
-            if state.handle is not None and state.forward_depth == 0:
-                state.handle.reshard(self.streams, self.limiter)
+            if state.forward_depth == 0:
+                state.reshard()
 
     def finish_oldest_reduction(self) -> None:
         handle, inflight = self.pending.popleft()
@@ -204,8 +210,7 @@ class RootContext:
             if state.forward_depth > 0:  # see [Note: backward inside a forward]
                 state.resume_forward()
                 continue
-            if state.handle is not None:
-                state.handle.reshard(self.streams, self.limiter)
+            state.reshard()
             state.training_state = TrainingState.IDLE
 
 
@@ -294,9 +299,11 @@ class _OutsideGraphs:
 class UnitState:
     """State of one unit (a module passed to or chosen by ``shard()``), stored on the module."""
 
-    def __init__(self, module: nn.Module, handle: FlatParamHandle | None, options: ShardOptions) -> None:
+    def __init__(self, module: nn.Module, handles: list[FlatParamHandle], options: ShardOptions) -> None:
         self.module = module
-        self.handle = handle
+        # One flat parameter per dtype of the unit's parameters, usually one (see [Note: a unit of several
+        # dtypes]); empty for a unit without parameters of its own.
+        self.handles = handles
         self.options = options  # the normalised shard() options, for nested units and the strategies
         self.strategy = options.sharding_strategy
         self.training_state = TrainingState.IDLE
@@ -312,7 +319,7 @@ class UnitState:
         self._recomputing = False  # this forward is a recomputation inside backward
         self._tracked = False  # this forward is recorded in the execution order (a training forward)
         # see [Note: when a unit with frozen parameters is done]
-        self._grads_done = False  # the unit's gradient node ran in this backward
+        self._grads_done: set[int] = set()  # handles whose gradient node ran in this backward (their index)
         self._inputs_pending = 0  # forward calls whose input gradients backward has not computed yet
         self._input_hooks: list[Any] = []
         self.ctx: RootContext | None = None
@@ -330,11 +337,31 @@ class UnitState:
             m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         )
         self._hook_handles.append(m.register_forward_hook(self._post_forward, always_call=True))
-        handle = self.handle
-        if handle is not None:  # also for frozen units: requires_grad may change while training
+        for handle in self.handles:  # also for frozen units: requires_grad may change while training
             self._hook_handles.append(
                 handle.grad_anchor.register_post_accumulate_grad_hook(self._post_backward)
             )
+
+    @property
+    def all_require_grad(self) -> bool:
+        return all(h.all_require_grad for h in self.handles)
+
+    def reshard(self) -> None:
+        """Free the unit's gathered parameters (a no-op for those already sharded)."""
+        ctx = self.ctx
+        for handle in self.handles:
+            handle.reshard(ctx.streams if ctx else None, ctx.limiter if ctx else None)
+
+    def wait_and_use_views(self) -> None:
+        """Wait for the unit's gathers and put views of the gathered parameters on its modules."""
+        ctx = self.ctx
+        for handle in self.handles:
+            handle.wait_unshard(ctx.streams if ctx else None)
+            handle.use_unsharded_views()
+
+    def refresh_requires_grad(self, track_frozen: bool = False) -> None:
+        for handle in self.handles:
+            handle.refresh_requires_grad(track_frozen)
 
     # ------------------------------------------------------------------ lazy init
     def _lazy_init(self) -> None:
@@ -384,22 +411,24 @@ class UnitState:
             ctx.order.note_pre_forward(self)
         if not in_backward:
             self.training_state = TrainingState.FORWARD
-        if self.handle is not None:
+        if self.handles:
             if not in_backward:
-                self.handle.refresh_requires_grad(self.call.track_frozen)
+                self.refresh_requires_grad(self.call.track_frozen)
             ctx.unshard(self)
             if self.options.forward_prefetch and tracked:
                 ctx.unshard(ctx.order.next_forward(self))  # overlaps this unit's compute
-            self.handle.wait_unshard(ctx.streams)
-            self.handle.use_unsharded_views()
-            precision = self.handle.precision
-            cast = precision.mixed and precision.cast_forward_inputs and self.call.cast_inputs
+            self.wait_and_use_views()
+            # Inputs are cast as the unit's mixed-precision flat parameter says (a unit of several dtypes
+            # has at most one compute dtype that differs from its parameters': the policy's param_dtype).
+            precision = next((h.precision for h in self.handles if h.precision.mixed), None)
+            cast = precision is not None and precision.cast_forward_inputs and self.call.cast_inputs
             if cast:  # see [Note: mixed precision]
+                assert precision is not None
                 args, kwargs = (
                     cast_floating(args, precision.compute),
                     cast_floating(kwargs, precision.compute),
                 )
-            if tracked and not self.handle.all_require_grad:
+            if tracked and not self.all_require_grad:
                 self._watch_inputs(args, kwargs)
         return args, kwargs
 
@@ -421,15 +450,14 @@ class UnitState:
         self._reshard_if_backward_done()
 
     def _reshard_if_backward_done(self) -> None:
-        handle, ctx = self.handle, self.ctx
-        if handle is None or ctx is None or self.forward_depth > 0 or self._inputs_pending > 0:
+        if not self.handles or self.ctx is None or self.forward_depth > 0 or self._inputs_pending > 0:
             return
-        if handle.any_requires_grad and not self._grads_done:
+        if any(h.any_requires_grad and i not in self._grads_done for i, h in enumerate(self.handles)):
             return
-        handle.reshard(ctx.streams, ctx.limiter)
+        self.reshard()
 
     def reset_backward_watch(self) -> None:
-        self._grads_done = False
+        self._grads_done.clear()
         self._inputs_pending = 0
         for hook in self._input_hooks:
             hook.remove()
@@ -465,12 +493,12 @@ class UnitState:
                 keep = not self.strategy.reshard_after_forward
         else:
             keep = False
-        if not keep and call.keep_gathered and not self.is_root and self.handle is not None:
+        if not keep and call.keep_gathered and not self.is_root and self.handles:
             self.deferred_reshard = keep = (
                 True  # until the method returns: see [Note: methods other than forward]
             )
-        if self.handle is not None and not keep:
-            self.handle.reshard(ctx.streams, ctx.limiter)
+        if not keep:
+            self.reshard()
         if self.is_root and self._tracked:
             ctx.order.finish_forward()
         return output
@@ -494,11 +522,10 @@ class UnitState:
         """After a backward that ran inside this unit's forward: stay gathered, with fresh autograd views,
         for the rest of the forward (see [Note: backward inside a forward])."""
         self.training_state = TrainingState.FORWARD
-        if self.handle is not None and self.ctx is not None:
-            self.handle.wait_unshard(self.ctx.streams)
-            self.handle.refresh_requires_grad(self.call.track_frozen)
+        if self.handles and self.ctx is not None:
+            self.refresh_requires_grad(self.call.track_frozen)
             with torch.enable_grad():
-                self.handle.use_unsharded_views()
+                self.wait_and_use_views()
 
     def refresh_in_forward(self) -> None:
         """Gather again every unit of this root that is inside its forward, after an optimizer step changed
@@ -507,14 +534,12 @@ class UnitState:
         if ctx is None or not self.is_root or self.forward_depth == 0:
             return
         for state in ctx.states:
-            handle = state.handle
-            if handle is None or state.forward_depth == 0:
+            if not state.handles or state.forward_depth == 0:
                 continue
-            handle.reshard(ctx.streams, ctx.limiter)
-            handle.refresh_requires_grad(state.call.track_frozen)
+            state.reshard()
+            state.refresh_requires_grad(state.call.track_frozen)
             ctx.unshard(state)
-            handle.wait_unshard(ctx.streams)
-            handle.use_unsharded_views()
+            state.wait_and_use_views()
 
     def begin_backward_in_forward(self, tensor: torch.Tensor) -> None:
         """Call before ``tensor.backward()`` while this root's forward runs (see [Note: backward inside a
@@ -533,25 +558,27 @@ class UnitState:
             Variable._execution_engine.queue_callback(ctx.end_of_backward)
         first_time = self.training_state is not TrainingState.BACKWARD
         self.training_state = TrainingState.BACKWARD
-        if self.handle is not None:
-            ctx.unshard(self)
+        ctx.unshard(self)
         if first_time and self.options.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             ctx.prefetch_backward(ctx.order.next_backward(self))  # overlaps this unit's backward compute
-        if self.handle is not None:
-            self.handle.wait_unshard(ctx.streams)
-            if self.recompute_inside:
-                # Checkpointed submodules re-run their forward in this unit's backward without hooks of
-                # their own: give them the gathered parameters, as autograd views like in forward.
-                with torch.enable_grad():
-                    self.handle.use_unsharded_views()
+        if self.recompute_inside:
+            # Checkpointed submodules re-run their forward in this unit's backward without hooks of
+            # their own: give them the gathered parameters, as autograd views like in forward.
+            with torch.enable_grad():
+                self.wait_and_use_views()
+        else:
+            for handle in self.handles:
+                handle.wait_unshard(ctx.streams)
 
     @_OutsideGraphs
     def _post_backward(self, anchor: torch.Tensor) -> None:
-        handle, ctx = self.handle, self.ctx
-        if handle is None or ctx is None:
+        ctx = self.ctx
+        index = next((i for i, h in enumerate(self.handles) if h.grad_anchor is anchor), None)
+        if index is None or ctx is None:
             raise RuntimeError(
                 f"{_rank_prefix()}post-backward hook fired on an uninitialised unit {self.module!r}."
             )
+        handle = self.handles[index]
         grads = handle.take_view_grads()
         if grads is None:
             return
@@ -559,7 +586,7 @@ class UnitState:
         # gradient is packed or sent, so the previous unit's unsharded gradient is freed first.
         while len(ctx.pending) >= _MAX_PENDING_REDUCTIONS:
             ctx.finish_oldest_reduction()
-        self._grads_done = True
+        self._grads_done.add(index)
         if not handle.sync_grads:  # see [Note: no_sync]
             handle.keep_unsynced(handle.pack_grads(grads))
             self._reshard_if_backward_done()

@@ -113,7 +113,7 @@ def shard(
 
     finished = {m for m in module.modules() if m is not module and get_unit_state(m) is not None}
     # Only the outermost finished units matter: their subtrees are done.
-    managed = {p for m in finished for s in [get_unit_state(m)] if s and s.handle for p in s.handle.params}
+    managed = {p for m in finished for s in [get_unit_state(m)] if s for h in s.handles for p in h.params}
     _check_same_hybrid_groups(module, finished, strategy, shard_group, replicate_group)
     unit_modules = select_unit_modules(module, opts.auto_wrap_policy, ignored, finished)
     full_precision: list[nn.Module] = []  # batch norms: their parameters and buffers are never cast
@@ -131,25 +131,23 @@ def shard(
     full_precision_set = set(full_precision)
     module_names = {m: n or "<root>" for n, m in module.named_modules()}
     for plan in plans:
-        handle = None
-        param_names = [names.get(p, "?") for p in plan.params]
         if deferred:  # see [Note: materializing unit by unit]
             materialize_unit(plan, target, param_init_fn, module_names)
-        if plan.params:
-            handle = FlatParamHandle(
-                plan.params,
-                plan.aliases,
-                param_names,
+        handles = [
+            FlatParamHandle(
+                [plan.params[i] for i in members],
+                [plan.aliases[i] for i in members],
+                [names.get(plan.params[i], "?") for i in members],
                 shard_group,
                 replicate_group,
                 target,
                 sync_group=sync_group,
                 offload=opts.cpu_offload,
-                precision=UnitPrecision.resolve(
-                    None if plan.module in full_precision_set else mp, plan.params[0].dtype
-                ),
+                precision=UnitPrecision.resolve(None if plan.module in full_precision_set else mp, dtype),
             )
-        unit = plan.module.__dict__[STATE_ATTR] = UnitState(plan.module, handle, opts)
+            for dtype, members in _by_dtype(plan.params).items()
+        ]
+        unit = plan.module.__dict__[STATE_ATTR] = UnitState(plan.module, handles, opts)
         unit.path = module_names.get(plan.module, unit.path)
     if deferred:  # modules with meta buffers only
         materialize_modules(
@@ -161,6 +159,24 @@ def shard(
         _checkpoint_inside_units(module, opts.activation_checkpointing_policy, ignored)
     seal_enclosing_forwards(module)  # see [Note: torch.compile]
     return module
+
+
+def _by_dtype(params: list[nn.Parameter]) -> dict[torch.dtype, list[int]]:
+    """Positions of a unit's parameters per dtype, in order of first appearance: one flat parameter each.
+
+    [Note: a unit of several dtypes]
+    A flat parameter holds one dtype, but a unit may hold several: a base model kept in bf16 under fp32
+    adapters (LoRA), float8 weights beside bf16 norms. Such a unit gets one flat parameter per dtype, each
+    sharded, gathered (in its own dtype, or the mixed-precision compute dtype), reduced and saved as any unit's
+    is; the unit gathers all of them before its forward and frees them together. A frozen bf16 base then
+    costs bf16 memory and bf16 all-gathers, and no gradient work (see [Note: reducing only what trains]).
+    The gathers of one unit are issued back to back, so the rate limiter allows twice as many buffers in
+    flight for a root holding such units (see [Note: rate limiter]).
+    """
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault(p.dtype, []).append(i)
+    return groups
 
 
 def _options(options: ShardOptions | None, kwargs: dict[str, Any]) -> ShardOptions:
@@ -192,9 +208,9 @@ def _check_same_hybrid_groups(
     names = {m: n for n, m in root.named_modules()}
     for m in finished:
         state = get_unit_state(m)
-        if state is None or state.handle is None:
+        if state is None or not state.handles:
             continue
-        inner = state.handle
+        inner = state.handles[0]
         if not (strategy.is_hybrid or state.strategy.is_hybrid):
             continue
         if inner.shard_group is not shard_group or inner.replicate_group is not replicate_group:
@@ -287,7 +303,7 @@ def no_sync(module: nn.Module, enabled: bool = True) -> Iterator[None]:
         raise ValueError(
             f"no_sync needs a module sharded with flatshard.shard, and {type(module).__name__} is not one."
         )
-    handles = [s.handle for s in states if s.handle is not None]
+    handles = [h for s in states for h in s.handles]
     previous = [h.sync_grads for h in handles]
     if enabled:
         for h in handles:

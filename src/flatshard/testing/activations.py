@@ -19,7 +19,7 @@ def saved_activation_bytes(model: nn.Module, forward: Callable[[], Any]) -> tupl
     The gathered parameter buffers of ``model``'s units are not counted. Every packed tensor is held until
     the end, so no storage is freed and its address reused while counting.
     """
-    params = {s.handle._gather.untyped_storage()._cdata for s in unit_states(model) if s.handle is not None}
+    params = {h._gather.untyped_storage()._cdata for s in unit_states(model) for h in s.handles}
     held: list[torch.Tensor] = []
     sizes: dict[int, int] = {}
 

@@ -94,19 +94,19 @@ class JoinState:
             index = self._agree(ctx, self._exchange(_DONE))
             if index == _DONE:
                 return
-            handle = ctx.states[index].handle
-            if handle is None:  # pragma: no cover - only units with parameters gather
-                continue
-            handle.where = (ctx.states[index].path, "joined (serving another rank's gather)", ctx.step)
+            served = ctx.states[index]
             with torch.no_grad():
-                handle.unshard(ctx.streams, ctx.limiter)
-                handle.wait_unshard(ctx.streams)
-                handle.reshard(ctx.streams, ctx.limiter)
+                for handle in served.handles:
+                    handle.where = (served.path, "joined (serving another rank's gather)", ctx.step)
+                    handle.unshard(ctx.streams, ctx.limiter)
+                for handle in served.handles:
+                    handle.wait_unshard(ctx.streams)
+                served.reshard()
 
 
 def _shard_group(states: list[UnitState]) -> tuple[Any, int, torch.device] | None:
     """The one shard group the units gather over (``None`` when no unit gathers)."""
-    handles = [s.handle for s in states if s.handle is not None and s.handle.shard_world > 1]
+    handles = [h for s in states for h in s.handles if h.shard_world > 1]
     if not handles:
         return None
     groups = {id(h.shard_group) for h in handles}

@@ -59,8 +59,9 @@ def prepare_for_state_io(module: nn.Module, what: str, reading: bool = False) ->
                 f"(state {s.training_state.value}). HINT: call it between training steps."
             )
     for s in states:
-        if s.handle is not None and s.summoned is Summoned.NO:
-            s.handle.reshard()
+        if s.summoned is Summoned.NO:
+            for handle in s.handles:
+                handle.reshard()
     return states
 
 
@@ -101,7 +102,7 @@ def plan_full_model_state_dict(
     :func:`~flatshard.engine.state.stream_gather.gather_items` call.
     """
     states = prepare_for_state_io(module, "get_state_dict", reading=True)
-    handles = [s.handle for s in states if s.handle is not None]
+    handles = [h for s in states for h in s.handles]
     items = [
         GatherItem(
             group=h.shard_group,

@@ -142,7 +142,7 @@ def plan_full_optim_state_dict(
 def _unit_order(module: nn.Module, handle: FlatParamHandle) -> int:
     for i, m in enumerate(module.modules()):
         state = m.__dict__.get("_flatshard_state")
-        if state is not None and state.handle is handle:
+        if state is not None and any(h is handle for h in state.handles):
             return i
     return -1
 

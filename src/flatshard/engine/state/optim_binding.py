@@ -29,7 +29,7 @@ def original_shapes(module: nn.Module) -> Iterator[None]:
     scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
     saved: list[tuple[nn.Parameter, torch.Tensor]] = []
     try:
-        for handle in (state.handle for state in unit_states(module) if state.handle is not None):
+        for handle in (h for state in unit_states(module) for h in state.handles):
             if handle.shard_world == 1:
                 continue  # its pieces already have the full shapes
             for p, shape in zip(handle.params, handle.layout.shapes, strict=True):

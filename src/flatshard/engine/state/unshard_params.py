@@ -198,8 +198,8 @@ def unshard_params(
         s.summoned = Summoned.FULL
     try:
         for s in states:
-            if s.handle is not None:
-                done.append(_enter(s.handle, rank0_only, offload_to_cpu, with_grads))
+            for handle in s.handles:
+                done.append(_enter(handle, rank0_only, offload_to_cpu, with_grads))
                 if done[-1].full is None:
                     s.summoned = Summoned.SHARDS_ONLY
         yield
