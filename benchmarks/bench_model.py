@@ -117,7 +117,12 @@ class LoRALinear(torch.nn.Module):
         self.scale = alpha / r
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + (x @ self.lora_a.t() @ self.lora_b.t()) * self.scale
+        out = self.base(
+            x
+        )  # in the base's dtype; the adapters in theirs (fp32 beside a bf16 base, as in peft)
+        return out + ((x.to(self.lora_a.dtype) @ self.lora_a.t() @ self.lora_b.t()) * self.scale).to(
+            out.dtype
+        )
 
 
 def add_lora(model: torch.nn.Module, r: int) -> int:

@@ -86,6 +86,10 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
 
     model = build_model(cfg)
     if cfg["lora"]:  # a fine-tune: the base frozen, adapters on the MLP linears (in the same units)
+        if (
+            cfg.get("base_dtype") == "bf16"
+        ):  # the base kept in bf16, the adapters in fp32, as peft builds them
+            model = model.to(torch.bfloat16)
         torch.manual_seed(cfg["seed"] + 1)
         info["trainable_params"] = add_lora(model, cfg["lora"])
     info["num_params"] = sum(p.numel() for p in model.parameters())  # tied weight counted once
@@ -354,6 +358,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(AdamW over the adapters only); 0 (default): train everything",
     )
     p.add_argument(
+        "--base-dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="with --lora: the frozen base's dtype (bf16: the adapters stay fp32, in the same units)",
+    )
+    p.add_argument(
         "--poll-memory",
         action="store_true",
         help="sample every rank's private memory (RssAnon + RssFile) and the node's (private + shared pages\n"
@@ -398,6 +408,7 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
         timed_region="forward + cross-entropy + backward + optimizer.step() + zero_grad(set_to_none=True)",
         malloc_mmap_threshold=args.malloc_mmap_threshold,
         lora=args.lora,
+        base_dtype=args.base_dtype,
         poll_memory=args.poll_memory,
         compile_kwargs={
             "backend": args.compile_backend,
@@ -406,6 +417,8 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
     )
     if cfg["steps"] < 1 or cfg["warmup"] < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    if args.base_dtype != "fp32" and not args.lora:
+        raise SystemExit("--base-dtype sets the frozen base's dtype of a fine-tune: give --lora R too")
     return cfg
 
 
@@ -435,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
             )
     if args.malloc_mmap_threshold is not None:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)  # inherited by the ranks
-    out = args.out or default_out(f"step_time_{args.preset}{f'_lora{args.lora}' if args.lora else ''}.json")
+    lora = f"_lora{args.lora}{'_bf16base' if args.base_dtype == 'bf16' else ''}" if args.lora else ""
+    out = args.out or default_out(f"step_time_{args.preset}{lora}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
 
     report: dict[str, Any] = {

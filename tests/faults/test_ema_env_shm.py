@@ -239,6 +239,7 @@ BAD_VALUES = ["-1", "-5", "yes", "true", "on", "60s", "2.5", "", " 1", "1e3"]
 VARIABLES = {
     "FLATSHARD_SHM": ["0", "1"],
     "FLATSHARD_CPU_HUGEPAGES": ["0", "1"],
+    "FLATSHARD_CPU_REUSE": ["0", "1"],
     "FLATSHARD_PREFAULT": ["0", "1"],
     "FLATSHARD_PREFAULT_THREADS": ["1", "2", "16"],
 }
@@ -267,6 +268,8 @@ def test_malformed_environment_variables_fail_at_shard_naming_the_variable(
             shm.exchange_segments(None, 4096, "test", possible=True, open_peers=True, info={})
         elif name == "FLATSHARD_CPU_HUGEPAGES":
             memory._madvise()
+        elif name == "FLATSHARD_CPU_REUSE":
+            memory.freed_blocks.give(torch.UntypedStorage(0))
         else:
             memory.Prefaulter()
     memory._madvise.cache_clear()

@@ -36,6 +36,8 @@ def test_freed_storage_returns_to_the_system_and_views_see_the_next_fill() -> No
         before = _rss_mib()
         memory.free_storage(flat)
         assert flat.untyped_storage().nbytes() == 0
+        assert len(memory.freed_blocks) == 1  # kept for the next gather of this size
+        memory.freed_blocks.clear()  # as the runtime does when a pass ends
         assert before - _rss_mib() > 6  # the 8 MiB went back at once
     flat.untyped_storage().resize_(BIG * 4)  # freed, it is an ordinary storage again
     flat.fill_(4.0)
@@ -55,3 +57,35 @@ def test_large_flat_buffers_are_mappings() -> None:
     assert not t.untyped_storage().resizable()  # frombuffer over a mapping of its own
     t.fill_(3.0)
     assert float(t[-1]) == 3.0
+
+
+def test_a_freed_block_is_reused_by_the_next_gather_of_its_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """See [Note: reusing freed blocks]: the next allocation of the same size takes the kept block (no fresh
+    pages), one of another size maps fresh memory, at most ``capacity`` blocks are kept, and
+    ``FLATSHARD_CPU_REUSE=0`` keeps none."""
+    if not memory._CAN_SWAP:
+        pytest.skip("this torch cannot swap a storage's data pointer")
+    memory.freed_blocks.clear()
+    a, b, other = torch.empty(BIG), torch.empty(BIG), torch.empty(BIG + 1024)
+    for t in (a, b, other):
+        memory.free_storage(t)
+    memory.alloc_storage(a)
+    a.fill_(5.0)
+    pointer = a.untyped_storage().data_ptr()
+    memory.free_storage(a)
+    reused = memory.freed_blocks.reused
+    before = _rss_mib()
+    memory.alloc_storage(b)
+    assert b.untyped_storage().data_ptr() == pointer and memory.freed_blocks.reused == reused + 1
+    assert _rss_mib() - before < 1  # no page was touched anew
+    b.fill_(6.0)
+    memory.alloc_storage(other)  # another size: fresh memory
+    assert other.untyped_storage().data_ptr() != pointer and memory.freed_blocks.reused == reused + 1
+    for t in (b, other, torch.empty(BIG)):
+        memory.free_storage(t)
+    assert len(memory.freed_blocks) == memory.freed_blocks.capacity
+    memory.freed_blocks.clear()
+    monkeypatch.setenv("FLATSHARD_CPU_REUSE", "0")
+    memory.alloc_storage(a)
+    memory.free_storage(a)
+    assert len(memory.freed_blocks) == 0

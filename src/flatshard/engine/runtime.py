@@ -86,6 +86,7 @@ from flatshard.engine.config import BackwardPrefetch, ShardOptions
 from flatshard.engine.exec_order import ExecOrder
 from flatshard.engine.handle import FlatParamHandle, HandleState
 from flatshard.engine.precision import cast_floating
+from flatshard.engine.transport import memory
 from flatshard.engine.transport.limiter import AllGatherLimiter
 from flatshard.engine.transport.streams import CommContext
 
@@ -212,6 +213,7 @@ class RootContext:
                 continue
             state.reshard()
             state.training_state = TrainingState.IDLE
+        memory.freed_blocks.clear()  # see [Note: reusing freed blocks]
 
 
 def _used_anywhere(handles: list[FlatParamHandle]) -> list[list[bool]]:
@@ -499,8 +501,12 @@ class UnitState:
             )
         if not keep:
             self.reshard()
+            if not self.is_root and (not self._tracked or ctx.order.next_forward(self) is None):
+                memory.freed_blocks.clear()  # no gather follows in this forward: see [Note: reusing freed blocks]
         if self.is_root and self._tracked:
             ctx.order.finish_forward()
+        if self.is_root:
+            memory.freed_blocks.clear()  # the pass is over: see [Note: reusing freed blocks]
         return output
 
     def _check_summoned_forward(self) -> None:

@@ -26,7 +26,7 @@ from flatshard.engine.setup.activation_checkpointing import CheckFn, apply_activ
 from flatshard.engine.setup.materialize import has_meta_tensors, materialize_modules, materialize_unit
 from flatshard.engine.setup.process_groups import resolve_groups
 from flatshard.engine.setup.wrap import plan_units, select_unit_modules
-from flatshard.engine.transport import comm, shm, watchdog
+from flatshard.engine.transport import comm, memory, shm, watchdog
 from flatshard.engine.transport.env import check_environment
 
 __all__ = ["is_sharded", "no_sync", "shard"]
@@ -158,6 +158,7 @@ def shard(
     if opts.activation_checkpointing_policy is not None:
         _checkpoint_inside_units(module, opts.activation_checkpointing_policy, ignored)
     seal_enclosing_forwards(module)  # see [Note: torch.compile]
+    memory.trim_heap()  # see [Note: returning the replaced parameters]
     return module
 
 

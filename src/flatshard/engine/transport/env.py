@@ -27,6 +27,10 @@ FLAGS: dict[str, tuple[bool, str]] = {
         "collectives and full-state gathers of CPU ranks on one host through shared memory",
     ),
     "FLATSHARD_CPU_HUGEPAGES": (True, "huge pages requested for large CPU buffers"),
+    "FLATSHARD_CPU_REUSE": (
+        True,
+        "gathered-parameter blocks reused within a forward or backward pass on CPU",
+    ),
     "FLATSHARD_PREFAULT": (True, "helper threads that back the pages of a full state's outputs"),
 }
 # name -> (default, minimum, what it sets)
