@@ -89,3 +89,36 @@ def test_a_freed_block_is_reused_by_the_next_gather_of_its_size(monkeypatch: pyt
     memory.alloc_storage(a)
     memory.free_storage(a)
     assert len(memory.freed_blocks) == 0
+
+
+_CAST_THEN_SHARD = """
+import sys
+import torch, torch.nn as nn
+import flatshard
+if sys.argv[1] == "off":
+    sys.modules["flatshard.engine.shard"].memory.trim_heap = lambda: None
+def anon():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon")) / 1024
+torch.set_num_threads(1)
+model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(12)]).to(torch.bfloat16)  # 96 MiB of bf16
+before = anon()
+flatshard.shard(model, auto_wrap_policy={nn.Linear})
+print(anon() - before)
+"""
+
+
+def test_shard_returns_the_replaced_parameters_to_the_system() -> None:
+    """See [Note: returning the replaced parameters]: a model cast in place holds its parameters in the C heap;
+    after shard() the process holds about its shards, not the shards plus the freed originals."""
+    import subprocess
+
+    def growth(trim: str) -> float:
+        run = subprocess.run(
+            [sys.executable, "-c", _CAST_THEN_SHARD, trim], capture_output=True, text=True, check=True
+        )
+        return float(run.stdout.split()[-1])
+
+    untrimmed, trimmed = growth("off"), growth("on")
+    assert untrimmed > 80, untrimmed  # the scenario: without trimming the 96 MiB of originals stay
+    assert trimmed < 40, trimmed
