@@ -67,6 +67,7 @@ modes in one object (``flatshard.lightning.step_modes``).
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import weakref
 from collections import deque
@@ -298,6 +299,49 @@ class _OutsideGraphs:
         return self.wrapped if state is None else MethodType(self.wrapped, state)
 
 
+_HANDOFF_ATTR = "_flatshard_handoff"
+
+
+class _InputWatch:
+    """One forward call of a unit with frozen parameters, until backward has computed its inputs' gradients."""
+
+    __slots__ = ("done", "unit")
+
+    def __init__(self, unit: UnitState) -> None:
+        self.unit = unit
+        self.done = False
+
+    def finish(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        unit = self.unit
+        unit._inputs_pending = max(0, unit._inputs_pending - 1)
+        unit._reshard_if_backward_done()
+
+
+class _Handoff:
+    """The forward calls whose one input that requires grad is a given unit output.
+
+    [Note: handing over]
+    A unit with frozen parameters is done in backward when its inputs' gradients are computed (see [Note: when a
+    unit with frozen parameters is done]). In a stack of blocks its input is the previous unit's output, and
+    the hook that notices that gradient (``register_multi_grad_hook`` on the input) runs after the previous
+    unit's own pre-backward hook on the same tensor, which gathers the unit after it (backward prefetch):
+    without care, each block would be freed one gather late, and backward would hold one more unit gathered
+    than forward. So each training output carries a hand-off, and a later forward call whose only input that
+    requires grad is that output registers there: the output's pre-backward hook, which fires once that
+    gradient is complete, finishes those calls first (freeing their units), then prefetches. The block just
+    freed is the one the prefetch then reuses (see [Note: reusing freed blocks]). The multi-grad hook stays,
+    for inputs that are not a unit's output, and does nothing for a call already finished.
+    """
+
+    __slots__ = ("watches",)
+
+    def __init__(self) -> None:
+        self.watches: list[_InputWatch] = []
+
+
 class UnitState:
     """State of one unit (a module passed to or chosen by ``shard()``), stored on the module."""
 
@@ -442,14 +486,19 @@ class UnitState:
         ]
         if inputs:
             self._inputs_pending += 1
+            watch = _InputWatch(self)
             self._input_hooks.append(
-                torch.autograd.graph.register_multi_grad_hook(inputs, self._inputs_done, mode="all")
+                torch.autograd.graph.register_multi_grad_hook(
+                    inputs, functools.partial(self._inputs_done, watch), mode="all"
+                )
             )
+            handoff = getattr(inputs[0], _HANDOFF_ATTR, None) if len(inputs) == 1 else None
+            if isinstance(handoff, _Handoff):  # the output of a unit before: see [Note: handing over]
+                handoff.watches.append(watch)
 
     @_OutsideGraphs
-    def _inputs_done(self, grads: Any) -> None:
-        self._inputs_pending = max(0, self._inputs_pending - 1)
-        self._reshard_if_backward_done()
+    def _inputs_done(self, watch: _InputWatch, grads: Any) -> None:
+        watch.finish()
 
     def _reshard_if_backward_done(self) -> None:
         if not self.handles or self.ctx is None or self.forward_depth > 0 or self._inputs_pending > 0:
@@ -488,7 +537,10 @@ class UnitState:
         grad_outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if torch.is_grad_enabled() and grad_outputs:
             for t in grad_outputs:
-                t.register_hook(self._pre_backward)
+                handoff = _Handoff()  # see [Note: handing over]
+                t.register_hook(functools.partial(self._pre_backward, handoff=handoff))
+                if self._tracked:
+                    setattr(t, _HANDOFF_ATTR, handoff)
             if self.is_root:  # its parameters are needed first thing in backward, unless told otherwise
                 keep = not self.options.reshard_root_after_forward
             else:
@@ -555,10 +607,14 @@ class UnitState:
 
     # ------------------------------------------------------------------ backward
     @_OutsideGraphs
-    def _pre_backward(self, grad: torch.Tensor) -> None:
+    def _pre_backward(self, grad: torch.Tensor, handoff: _Handoff | None = None) -> None:
         ctx = self.ctx
         if ctx is None:
             return
+        if handoff is not None:  # the units this output fed are done with it: see [Note: handing over]
+            for watch in handoff.watches:
+                watch.finish()
+            handoff.watches.clear()
         if not ctx.callback_queued:
             ctx.callback_queued = True
             Variable._execution_engine.queue_callback(ctx.end_of_backward)
