@@ -63,24 +63,30 @@ def _run_both_transports(rank: int, world: int, strategy: str) -> None:
     shm_pg = dist.new_group(everyone, backend="gloo")
     gloo_pg = dist.new_group(everyone, backend="gloo")
     # The transport is chosen when a group is first used (collectively): set both up here.
+    slots_pg = dist.new_group(everyone, backend="gloo")
     assert shm.shm_group(shm_pg) is not None
     os.environ["FLATSHARD_SHM"] = "0"
     assert shm.shm_group(gloo_pg) is None
     del os.environ["FLATSHARD_SHM"]
+    os.environ["FLATSHARD_SHM_DIRECT"] = "0"  # all-gathers through the slots, not reading peers directly
+    slots = shm.shm_group(slots_pg)
+    assert slots is not None and not slots.direct
+    del os.environ["FLATSHARD_SHM_DIRECT"]
     models = {
         name: flatshard.shard(
             copy.deepcopy(reference), sharding_strategy=strategy, auto_wrap_policy={Block}, process_group=pg
         )
-        for name, pg in (("shm", shm_pg), ("gloo", gloo_pg))
+        for name, pg in (("shm", shm_pg), ("slots", slots_pg), ("gloo", gloo_pg))
     }
     packed = {name: _count_packs(m) for name, m in models.items()}
     losses = {name: _train(m, rank, world, local=False) for name, m in models.items()}
     # Over shared memory a sharded unit's gradient is reduce-scattered from autograd's own tensors; gloo
     # needs it packed into one flat buffer, and so does NO_SHARD (the packed buffer is the gradient).
     assert packed["gloo"] == [STEPS * (1 + 2)], packed  # the root and two blocks, every step
-    assert packed["shm"] == [0 if strategy != "NO_SHARD" else STEPS * 3]
+    assert packed["shm"] == packed["slots"] == [0 if strategy != "NO_SHARD" else STEPS * 3]
     ref_losses = _train(reference, rank, world, local=True)
     torch.testing.assert_close(losses["shm"], losses["gloo"], rtol=1e-6, atol=1e-6)
+    assert losses["shm"] == losses["slots"]  # the same bytes, moved two ways
     mean = torch.tensor(losses["shm"])
     dist.all_reduce(mean)  # the global batch's loss: the mean of equal-sized local batches
     torch.testing.assert_close((mean / world).tolist(), ref_losses, rtol=1e-5, atol=1e-5)
@@ -116,3 +122,30 @@ def _run_fallback(rank: int, world: int, sabotage: str) -> bool:
 def test_every_rank_falls_back_to_gloo_together(sabotage: str) -> None:
     used = spawn(_run_fallback, 3, sabotage)
     assert used == [not sabotage] * 3
+
+
+def _direct_reads(rank: int, world: int, refuse: int | None) -> bool:
+    """Whether the group reads peers directly, when rank ``refuse`` cannot; an all-gather is right either way."""
+    torch.set_num_threads(1)
+    if rank == refuse:
+        os.environ["FLATSHARD_SHM_DIRECT"] = "0"
+    group = shm.shm_group(None)
+    assert group is not None
+    for n in (5, (3 << 20) + 7):  # less than a slot, more than one
+        shard = torch.arange(n, dtype=torch.float32) + rank * n
+        out = torch.empty(n * world)
+        comm.all_gather_flat(out, shard, None).wait()
+        assert torch.equal(out, torch.arange(n * world, dtype=torch.float32))
+    return group.direct
+
+
+@pytest.mark.parametrize("refuse", [None, 1], ids=["all_can", "one_cannot"])
+def test_the_ranks_agree_on_reading_each_other_directly(refuse: int | None) -> None:
+    """See [Note: reading peers directly]: the ranks read each other's parts in place where every rank can, and
+    all copy through the slots where one cannot; the results are the same."""
+    direct = spawn(_direct_reads, 3, refuse)
+    assert len(set(direct)) == 1, direct
+    if refuse is not None:
+        assert direct == [False] * 3
+    elif shm._process_vm_readv() is not None and not os.path.exists("/proc/sys/kernel/yama/ptrace_scope"):
+        assert direct == [True] * 3  # nothing forbids it on this system

@@ -240,6 +240,7 @@ VARIABLES = {
     "FLATSHARD_SHM": ["0", "1"],
     "FLATSHARD_CPU_HUGEPAGES": ["0", "1"],
     "FLATSHARD_CPU_REUSE": ["0", "1"],
+    "FLATSHARD_SHM_DIRECT": ["0", "1"],
     "FLATSHARD_PREFAULT": ["0", "1"],
     "FLATSHARD_PREFAULT_THREADS": ["1", "2", "16"],
 }
@@ -268,6 +269,8 @@ def test_malformed_environment_variables_fail_at_shard_naming_the_variable(
             shm.exchange_segments(None, 4096, "test", possible=True, open_peers=True, info={})
         elif name == "FLATSHARD_CPU_HUGEPAGES":
             memory._madvise()
+        elif name == "FLATSHARD_SHM_DIRECT":
+            shm.env_flag(name)
         elif name == "FLATSHARD_CPU_REUSE":
             memory.freed_blocks.give(torch.UntypedStorage(0))
         else:

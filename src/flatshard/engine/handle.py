@@ -193,6 +193,9 @@ class FlatParamHandle(UnitGradients):
                 # The shard lives as long as the model: a mapping of its own (for large shards) keeps it
                 # from pinning heap memory that the transient full tensors of later units would reuse.
                 self._sharded = memory.empty_mapped((hi - lo,), self.dtype)
+                memory.advise_hugepages(
+                    self._sharded
+                )  # peers read it fastest so: [Note: reading peers directly]
                 self._sharded.copy_(full[lo:hi])
             else:
                 self._sharded = full[lo:hi].clone()  # 1-D, shard_numel

@@ -26,6 +26,7 @@ FLAGS: dict[str, tuple[bool, str]] = {
         True,
         "collectives and full-state gathers of CPU ranks on one host through shared memory",
     ),
+    "FLATSHARD_SHM_DIRECT": (True, "shared-memory all-gathers reading the peers' memory in place"),
     "FLATSHARD_CPU_HUGEPAGES": (True, "huge pages requested for large CPU buffers"),
     "FLATSHARD_CPU_REUSE": (
         True,
