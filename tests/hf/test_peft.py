@@ -26,8 +26,9 @@ SEQ, STEPS, GLOBAL_BATCH = 12, 3, 8
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
-def _llama() -> torch.nn.Module:
-    base = build_model("llama")
+def _llama(base_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """peft on a tiny Llama; on a bf16 base the adapters stay fp32 (peft's ``autocast_adapter_dtype``)."""
+    base = build_model("llama").to(base_dtype)
     lora = peft.LoraConfig(
         r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"]
     )
@@ -158,27 +159,30 @@ def test_peft_adapters_train_as_under_ddp_and_save_alone(tmp_path: Any) -> None:
         torch.testing.assert_close(resumed["flatshard"]["state_dict"][key], expected, **TOL)
 
 
+def _fabric_fit(world: int, strategy: str, path: str, base_dtype: torch.dtype = torch.float32) -> list[float]:
+    """Train the adapters in Fabric for one epoch, save ``{"model": model}`` to ``path``; the mean losses."""
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    model = _llama(base_dtype)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, optimizer = fabric.setup(model, optimizer)
+    losses = []
+    for (batch,) in fabric.setup_dataloaders(_loader(world)):
+        loss = model(input_ids=batch, labels=batch).loss
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(fabric.all_reduce(loss.detach().float(), reduce_op="mean").item())
+    fabric.save(path, {"model": model})
+    return losses
+
+
 def _fabric(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     torch.set_num_threads(1)
-    out: dict[str, Any] = {}
-    for name in ("ddp", "flatshard"):
-        fabric = L.Fabric(accelerator="cpu", devices=world, strategy=name)
-        fabric.launch()
-        model = _llama()
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        model, optimizer = fabric.setup(model, optimizer)
-        losses = []
-        for (batch,) in fabric.setup_dataloaders(_loader(world)):
-            loss = model(input_ids=batch, labels=batch).loss
-            fabric.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
-        state = {"model": model}
-        path = os.path.join(out_dir, f"fabric-{name}.ckpt")
-        fabric.save(path, state)
-        out[name] = {"losses": losses}
-    return out
+    return {
+        name: {"losses": _fabric_fit(world, name, os.path.join(out_dir, f"fabric-{name}.ckpt"))}
+        for name in ("ddp", "flatshard")
+    }
 
 
 @pytest.mark.timeout(600)
@@ -197,24 +201,10 @@ def test_peft_adapters_train_as_under_ddp_in_fabric(tmp_path: Any) -> None:
         torch.testing.assert_close(ours[key], expected, **TOL, msg=lambda m, key=key: f"{key}: {m}")
 
 
-def _llama_bf16_base() -> torch.nn.Module:
-    """peft on a bf16 base: the adapters stay fp32 (peft's ``autocast_adapter_dtype``), in the same layers."""
-    base = build_model("llama").to(torch.bfloat16)
-    lora = peft.LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"]
-    )
-    torch.manual_seed(1)
-    model = peft.get_peft_model(base, lora)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.02)
-    return model
-
-
 class LitBf16Base(LitPeft):
     def __init__(self) -> None:
         super().__init__()
-        self.model = _llama_bf16_base()
+        self.model = _llama(torch.bfloat16)
 
 
 def _fit_bf16_base(rank: int, world: int, out: str) -> dict[str, Any]:
@@ -227,20 +217,8 @@ def _fit_bf16_base(rank: int, world: int, out: str) -> dict[str, Any]:
         trainer.save_checkpoint(os.path.join(out, f"bf16-{name}.ckpt"))
         result[name] = recorder.losses
     for name in ("ddp", "flatshard"):
-        fabric = L.Fabric(accelerator="cpu", devices=world, strategy=name)
-        fabric.launch()
-        model = _llama_bf16_base()
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        model, optimizer = fabric.setup(model, optimizer)
-        losses = []
-        for (batch,) in fabric.setup_dataloaders(_loader(world)):
-            loss = model(input_ids=batch, labels=batch).loss
-            fabric.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(fabric.all_reduce(loss.detach().float(), reduce_op="mean").item())
-        fabric.save(os.path.join(out, f"bf16-fabric-{name}.ckpt"), {"model": model})
-        result[f"fabric-{name}"] = losses
+        path = os.path.join(out, f"bf16-fabric-{name}.ckpt")
+        result[f"fabric-{name}"] = _fabric_fit(world, name, path, torch.bfloat16)
     return result
 
 

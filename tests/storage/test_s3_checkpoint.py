@@ -177,17 +177,19 @@ def test_a_failed_full_file_upload_leaves_the_previous_file(
     url = f"{s3_url}/full.ckpt"
     model, optimizer = trained_tinygpt(steps=1)
     flatshard.save_checkpoint(url, model, optimizer, extra={"step": 1})
-    real_save = torch.save
+    from flatshard.checkpoint import stream_save
 
-    def interrupted(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+    real_writer = stream_save.StreamedTorchFile
+
+    def interrupted(f: Any) -> Any:  # the streamed writer (see [Note: streamed full saves]) fails midway
         f.write(b"\0" * (6 << 20))  # more than one upload part
         raise RuntimeError("interrupted mid-upload")
 
     with monkeypatch.context() as mp:
-        mp.setattr(torch, "save", interrupted)
+        mp.setattr(stream_save, "StreamedTorchFile", interrupted)
         with pytest.raises(CheckpointError, match="could not write it"):
             flatshard.save_checkpoint(url, model, optimizer, extra={"step": 2})
-    assert torch.save is real_save
+    assert stream_save.StreamedTorchFile is real_writer
     fresh, fresh_optimizer = trained_tinygpt(seed=123, steps=0)
     assert flatshard.load_checkpoint(url, fresh, fresh_optimizer) == {"step": 1}
 

@@ -177,3 +177,33 @@ def test_names_left_by_processes_that_no_longer_run_are_removed(
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         names[k] for k in ("alive", "not_ours", "no_pid")
     )
+
+
+def test_a_work_done_just_after_a_wait_slice_ran_out_is_not_an_error() -> None:
+    """``wait_sliced`` waits in slices; a work that completes between a slice's timeout and the check after it
+    finished fine: the wait returns (it raised the slice's "timed out" before)."""
+    from flatshard.engine.transport import watchdog
+
+    class LateWork:
+        def __init__(self) -> None:
+            self.done = False
+
+        def wait(self, timeout: object = None) -> bool:
+            if not self.done:
+                self.done = True  # completes right after this slice times out
+                raise RuntimeError("shared-memory collective: wait timed out; the work is still pending")
+            return True
+
+        def is_completed(self) -> bool:
+            return self.done
+
+    watchdog.wait_sliced(LateWork(), None)
+
+    class FailedWork(LateWork):
+        def wait(self, timeout: object = None) -> bool:
+            if self.done:
+                raise RuntimeError("the peer exited")
+            return super().wait(timeout)
+
+    with pytest.raises(RuntimeError, match="the peer exited"):  # its own error, not the slice's timeout
+        watchdog.wait_sliced(FailedWork(), None)

@@ -27,13 +27,16 @@ from flatshard.checkpoint.load import load_checkpoint, load_full_entries, load_i
 from flatshard.checkpoint.save import StateDictType, save_checkpoint
 from flatshard.checkpoint.save_round import gather_for_save
 from flatshard.checkpoint.storage import is_url, locate, remove_checkpoint, size_of
+from flatshard.checkpoint.stream_save import ModelState, OptimizerState, save_full_streamed
 from flatshard.checkpoint.validate import check_optim_state_kinds, check_required, check_state_dict_kinds
 from flatshard.checkpoint.write_sharded import write_sharded_checkpoint
 
 __all__ = [
     "AsyncSaver",
     "CheckpointError",
+    "ModelState",
     "Names",
+    "OptimizerState",
     "ShardedReader",
     "StateDictType",
     "atomic_save",
@@ -54,6 +57,7 @@ __all__ = [
     "output_format",
     "remove_checkpoint",
     "save_checkpoint",
+    "save_full_streamed",
     "size_of",
     "write_full_checkpoint",
     "write_sharded_checkpoint",

@@ -40,6 +40,8 @@ __all__ = [
     "fsync_dir",
     "load_checkpoint_file",
     "recording",
+    "refuse_directory",
+    "refuse_pieces",
     "write_full_checkpoint",
 ]
 
@@ -53,9 +55,9 @@ def write_full_checkpoint(checkpoint: Any, path: str | os.PathLike[str] | Remote
     rank 0, every rank raises its error within seconds instead of waiting for it (see
     [Note: save outcomes through the store]). Returns the path (the URL for a URL).
     """
-    _refuse_pieces(checkpoint)
+    refuse_pieces(checkpoint)
     location = locate_checked(path)
-    check = (lambda: _refuse_directory(location)) if global_rank() == 0 else None
+    check = (lambda: refuse_directory(location)) if global_rank() == 0 else None
     with SaveRound("The full save", location, check) as round_:
         if global_rank() == 0:
             atomic_save(checkpoint, location)
@@ -63,7 +65,7 @@ def write_full_checkpoint(checkpoint: Any, path: str | os.PathLike[str] | Remote
     return location if isinstance(location, Path) else location.url
 
 
-def _refuse_pieces(checkpoint: Any, path: tuple[Any, ...] = ()) -> None:
+def refuse_pieces(checkpoint: Any, path: tuple[Any, ...] = ()) -> None:
     """A full file holds whole tensors: a rank's piece (``EMA.sharded_state_dict()``...) has no place in it."""
     if isinstance(checkpoint, ParamShard):
         where = "".join(f"[{k!r}]" for k in path)
@@ -74,10 +76,10 @@ def _refuse_pieces(checkpoint: Any, path: tuple[Any, ...] = ()) -> None:
         )
     if isinstance(checkpoint, Mapping):
         for k, v in checkpoint.items():
-            _refuse_pieces(v, (*path, k))
+            refuse_pieces(v, (*path, k))
     elif isinstance(checkpoint, (list, tuple)):
         for i, v in enumerate(checkpoint):
-            _refuse_pieces(v, (*path, i))
+            refuse_pieces(v, (*path, i))
 
 
 def atomic_save(obj: Any, path: str | os.PathLike[str] | Remote) -> Path | str:
@@ -98,7 +100,7 @@ def atomic_write(path: str | os.PathLike[str] | Remote, write: Callable[[IO[byte
     passes unchanged; other errors at a URL are reported naming it. Returns the path (the URL for a URL).
     """
     target = locate(path)
-    _refuse_directory(target)
+    refuse_directory(target)
     if isinstance(target, Remote):
         return _write_remote(target, write)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -155,7 +157,7 @@ def recording(f: Any) -> Iterator[Any]:
         raise
 
 
-def _refuse_directory(target: Path | Remote) -> None:
+def refuse_directory(target: Path | Remote) -> None:
     hint = (
         "HINT: save to another path, or remove it first (flatshard.checkpoint.remove_checkpoint); nothing was "
         "written."

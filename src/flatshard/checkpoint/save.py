@@ -10,12 +10,9 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
-from flatshard.checkpoint.files import write_full_checkpoint
-from flatshard.checkpoint.save_round import gather_for_save
-from flatshard.checkpoint.storage import locate
+from flatshard.checkpoint.stream_save import ModelState, OptimizerState, save_full_streamed
 from flatshard.checkpoint.write_sharded import write_sharded_checkpoint
 from flatshard.engine import (
-    get_state_dict,
     optimizer_list,
     sharded_model_state_dict,
     sharded_optim_state_dict,
@@ -48,13 +45,11 @@ def save_checkpoint(
     """
     checkpoint = dict(extra or {})
     optimizers = optimizer_list(optimizer)
-    if state_dict_type == "full":
-        with gather_for_save(locate(path)):  # a peer that dies meanwhile is named
-            model_state, optim_states = get_state_dict(module, optimizers, rank0_only=True, cpu_offload=True)
-        checkpoint["state_dict"] = model_state
+    if state_dict_type == "full":  # written as the units are gathered: see [Note: streamed full saves]
+        checkpoint["state_dict"] = ModelState(module)
         if optimizers:
-            checkpoint["optimizer_states"] = optim_states
-        return write_full_checkpoint(checkpoint, path)
+            checkpoint["optimizer_states"] = [OptimizerState(module, o) for o in optimizers]
+        return save_full_streamed(path, checkpoint)
     if state_dict_type == "sharded":
         checkpoint["state_dict"] = sharded_model_state_dict(module)
         if optimizers:

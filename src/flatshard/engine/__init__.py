@@ -65,7 +65,7 @@ from flatshard.engine.state.sharded import (
     to_local_optim_state,
 )
 from flatshard.engine.state.stand_ins import saved_piece, stand_in
-from flatshard.engine.state.state_dict import get_state_dict, optimizer_list, set_state_dict
+from flatshard.engine.state.state_dict import FullStates, get_state_dict, optimizer_list, set_state_dict
 from flatshard.engine.state.unshard_params import unshard_params
 from flatshard.engine.step.clip import clip_grad_norm_, clip_grad_norm_params_
 from flatshard.engine.step.ema import EMA, check_decay
@@ -80,6 +80,7 @@ __all__ = [
     "CheckFn",
     "DesyncError",
     "ForwardCall",
+    "FullStates",
     "JoinState",
     "MixedPrecision",
     "OptionErrors",

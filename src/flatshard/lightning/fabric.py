@@ -24,6 +24,7 @@ from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessi
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.types import _Stateful
 from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer
 from torch import Tensor
 from torch.nn import Module
@@ -31,12 +32,15 @@ from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 from flatshard.checkpoint import (
+    ModelState,
     Names,
+    OptimizerState,
     gather_for_save,
     is_sharded_checkpoint,
     load_full_entries,
     load_into,
     locate,
+    save_full_streamed,
 )
 from flatshard.engine import (
     clip_grad_norm_params_,
@@ -294,10 +298,27 @@ class FlatShardFabricStrategy(ShellMembers, ParallelStrategy):
             checkpoint, names = self._sharded_checkpoint(state)
             self._core.write(checkpoint, path, names)
             return
+        if (
+            not filter and self._core.async_saver is None
+        ):  # written as it is gathered: [Note: streamed full saves]
+            save_full_streamed(path, {key: self._streamed_entry(obj) for key, obj in state.items()})
+            self.barrier()
+            return
         with gather_for_save(locate(path)):  # a rank that dies meanwhile is named on the others
             converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
         self._core.write(converted, path)  # rank 0 writes; every rank raises if that failed
         self.barrier()
+
+    def _streamed_entry(self, obj: Any) -> Any:
+        """What a ``fabric.save`` state entry becomes in a streamed full save: the full state of a sharded module
+        or of an optimizer over one, ``state_dict()`` of any other stateful object, else the value itself."""
+        if isinstance(obj, Module):
+            return ModelState(obj) if is_sharded(obj) else obj.state_dict()
+        if isinstance(obj, Optimizer):
+            return OptimizerState(self._owner(obj), obj)
+        if isinstance(obj, _Stateful):
+            return obj.state_dict()
+        return obj
 
     @override
     def load_checkpoint(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,10 +22,10 @@ from flatshard.engine.state.sharded import (
     to_local_model_state,
     to_local_optim_state,
 )
-from flatshard.engine.state.stream_gather import gather_items
+from flatshard.engine.state.stream_gather import GatherItem, gather_items
 from flatshard.engine.transport.comm import global_rank
 
-__all__ = ["get_state_dict", "optimizer_list", "set_state_dict"]
+__all__ = ["FullStates", "get_state_dict", "optimizer_list", "set_state_dict"]
 
 OptimizerArg = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
 
@@ -185,3 +185,50 @@ def _set_sharded_state_dict(
             module.load_state_dict(local_model, strict=False)
     for opt, st in zip(optimizers, local_optim):
         opt.load_state_dict(st)
+
+
+class FullStates:
+    """Full states of sharded modules and of optimizers over them, gathered one unit at a time.
+
+    Built on every rank (collective: the ranks agree on the optimizer states' metadata); :meth:`gather` then moves
+    one unit's parameters and optimizer states at a time and hands each gathered tensor, on the keeping rank, to
+    ``consume``, whose result takes the tensor's place in the states returned (see [Note: streamed full saves]
+    in ``flatshard.checkpoint.stream_save``). The tensor is dropped after ``consume`` returns.
+
+    Args:
+        targets: per state, ``(module, None)`` for the module's full state dict or ``(module, optimizer)`` for the
+            optimizer's full state in the plain format.
+        keep: this rank receives the states (rank 0 of a save).
+    """
+
+    def __init__(self, targets: Sequence[tuple[nn.Module, torch.optim.Optimizer | None]], keep: bool) -> None:
+        self.keep = keep
+        self._plans = [
+            plan_full_model_state_dict(module, keep=keep, to_cpu=True)
+            if optimizer is None
+            else plan_full_optim_state_dict(module, optimizer, keep=keep, to_cpu=True)
+            for module, optimizer in targets
+        ]
+
+    def gather(self, consume: Callable[[torch.Tensor], Any]) -> list[dict[str, Any]]:
+        """Every rank calls; returns the states (empty dicts where not kept), in ``targets`` order."""
+        items = [item for plan_items, _ in self._plans for item in plan_items]
+        results: list[dict[int, Any]] = [{} for _ in items]
+        for unit in _by_unit(items):
+            gathered = gather_items([items[i] for i in unit], self.keep)
+            for i, tensors in zip(unit, gathered, strict=True):
+                results[i] = {pos: consume(t) for pos, t in tensors.items()}
+            del gathered
+        built = []
+        for plan_items, assemble in self._plans:
+            built.append(assemble(results[: len(plan_items)]))
+            results = results[len(plan_items) :]
+        return built
+
+
+def _by_unit(items: Sequence[GatherItem]) -> list[list[int]]:
+    """Item indices grouped by flat parameter (its items share its layout), in first-seen order."""
+    groups: dict[int, list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(id(item.layout), []).append(i)
+    return list(groups.values())

@@ -359,9 +359,11 @@ def wait_sliced(work: Any, label: Label | None) -> None:
                 work.wait(piece)
                 return
             except RuntimeError as err:
-                if "timed out" not in str(err).lower() or work.is_completed():
+                if "timed out" not in str(err).lower():
                     _raise_verdict(err, since)
                     raise
+                if work.is_completed():  # done just after the slice ran out: wait() returns it, or its error
+                    continue
             blocked(label, since)
     finally:
         unblocked()
