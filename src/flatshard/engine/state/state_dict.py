@@ -22,7 +22,7 @@ from flatshard.engine.state.sharded import (
     to_local_model_state,
     to_local_optim_state,
 )
-from flatshard.engine.state.stream_gather import GatherItem, gather_items
+from flatshard.engine.state.stream_gather import gather_by_unit, gather_items
 from flatshard.engine.transport.comm import global_rank
 
 __all__ = ["FullStates", "get_state_dict", "optimizer_list", "set_state_dict"]
@@ -214,21 +214,13 @@ class FullStates:
         """Every rank calls; returns the states (empty dicts where not kept), in ``targets`` order."""
         items = [item for plan_items, _ in self._plans for item in plan_items]
         results: list[dict[int, Any]] = [{} for _ in items]
-        for unit in _by_unit(items):
-            gathered = gather_items([items[i] for i in unit], self.keep)
-            for i, tensors in zip(unit, gathered, strict=True):
-                results[i] = {pos: consume(t) for pos, t in tensors.items()}
-            del gathered
+
+        def take(i: int, tensors: dict[int, torch.Tensor]) -> None:
+            results[i] = {pos: consume(t) for pos, t in tensors.items()}
+
+        gather_by_unit(items, self.keep, take)
         built = []
         for plan_items, assemble in self._plans:
             built.append(assemble(results[: len(plan_items)]))
             results = results[len(plan_items) :]
         return built
-
-
-def _by_unit(items: Sequence[GatherItem]) -> list[list[int]]:
-    """Item indices grouped by flat parameter (its items share its layout), in first-seen order."""
-    groups: dict[int, list[int]] = {}
-    for i, item in enumerate(items):
-        groups.setdefault(id(item.layout), []).append(i)
-    return list(groups.values())

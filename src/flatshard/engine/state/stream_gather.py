@@ -49,6 +49,7 @@ __all__ = [
     "GatherItem",
     "Piece",
     "UnitOutputs",
+    "gather_by_unit",
     "gather_items",
 ]
 
@@ -317,3 +318,49 @@ def _gather_channel(
         finally:
             stream.close()
     return [dict(out.tensors) if out is not None else {} for out in outputs]
+
+
+def gather_by_unit(
+    items: Sequence[GatherItem],
+    keep: bool,
+    consume: Callable[[int, dict[int, torch.Tensor]], None],
+    chunk_bytes: int | None = None,
+) -> None:
+    """Gather the items one unit at a time (the items of one flat parameter share its layout): the outputs of a
+    unit's items are allocated, filled, handed to ``consume(item index, {index in layout: full tensor})`` (empty
+    where not kept) and dropped before the next unit's. One stream per group stays open throughout.
+
+    All ranks call it with items in the same order (see [Note: streamed full-state gathers]).
+    """
+    units: dict[int, list[int]] = {}
+    for i, item in enumerate(items):
+        units.setdefault(id(item.layout), []).append(i)
+    streams: dict[tuple[int, torch.device], FlatStream] = {}
+    try:
+        for unit in units.values():
+            prefault = Prefaulter()
+            outputs = {
+                i: UnitOutputs(
+                    items[i].layout, items[i].wanted, items[i].dtype, items[i].out_device, prefault
+                )
+                if keep
+                else None
+                for i in unit
+            }
+            with prefault:
+                for i in unit:
+                    item, out = items[i], outputs[i]
+                    key = (id(item.group), item.device)
+                    stream = streams.get(key)
+                    if stream is None:  # opened collectively, at the same point on every rank
+                        stream = streams[key] = FlatStream(item.group, keep, item.device, chunk_bytes)
+                    stream.gather(
+                        item.layout.shard_numel, item.dtype, item.pieces, out.deliver if out else None
+                    )
+            for i in unit:
+                out = outputs.pop(i)
+                consume(i, dict(out.tensors) if out is not None else {})
+                del out
+    finally:
+        for stream in streams.values():
+            stream.close()
