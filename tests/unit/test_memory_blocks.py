@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -101,7 +102,8 @@ def anon():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("RssAnon")) / 1024
 torch.set_num_threads(1)
-model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(12)]).to(torch.bfloat16)  # 96 MiB of bf16
+model = nn.Sequential(*[nn.Linear(2048, 2048, dtype=torch.bfloat16) for _ in range(12)])  # 96 MiB in the heap
+pin = torch.ones(1 << 18)  # a later heap block: free() cannot return the parameters by shrinking the heap's top
 before = anon()
 flatshard.shard(model, auto_wrap_policy={nn.Linear})
 print(anon() - before)
@@ -109,13 +111,22 @@ print(anon() - before)
 
 
 def test_shard_returns_the_replaced_parameters_to_the_system() -> None:
-    """See [Note: returning the replaced parameters]: a model cast in place holds its parameters in the C heap;
-    after shard() the process holds about its shards, not the shards plus the freed originals."""
+    """See [Note: returning the replaced parameters]: parameters in the C heap (as a model cast in place holds
+    them); after shard() the process holds about its shards, not the shards plus the freed originals."""
     import subprocess
+
+    # glibc's dynamic mmap threshold decides whether parameters land in the heap, depending on what the process
+    # freed before (a model cast in place puts its copies there): fix it above the tensors' size, so they always
+    # do, and keep free() from trimming the heap's top.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
     def growth(trim: str) -> float:
         run = subprocess.run(
-            [sys.executable, "-c", _CAST_THEN_SHARD, trim], capture_output=True, text=True, check=True
+            [sys.executable, "-c", _CAST_THEN_SHARD, trim],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=env,
         )
         return float(run.stdout.split()[-1])
 
