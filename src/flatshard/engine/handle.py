@@ -138,8 +138,8 @@ class FlatParamHandle(UnitGradients):
         if len(dtypes) != 1:
             listing = ", ".join(f"{n}: {p.dtype}" for n, p in zip(names, params, strict=False))
             raise ValueError(
-                f"A unit's parameters must share one dtype to be flattened, found {listing}. HINT: wrap the "
-                "modules of each dtype in their own unit (auto_wrap_policy) or cast the model first."
+                f"A flat parameter holds one dtype, found {listing}. HINT: give each dtype a handle of its own, "
+                "as shard() does (see [Note: a unit of several dtypes])."
             )
         # Trainable parameters first (stable): their gradients are then a prefix of the flat parameter, and
         # each rank keeps gradient memory only for its part of that prefix (see [Note: frozen parameters]).

@@ -537,10 +537,12 @@ class UnitState:
         grad_outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if torch.is_grad_enabled() and grad_outputs:
             for t in grad_outputs:
-                handoff = _Handoff()  # see [Note: handing over]
-                t.register_hook(functools.partial(self._pre_backward, handoff=handoff))
-                if self._tracked:
+                if self._tracked:  # only training forwards watch their inputs: see [Note: handing over]
+                    handoff = _Handoff()
                     setattr(t, _HANDOFF_ATTR, handoff)
+                    t.register_hook(functools.partial(self._pre_backward, handoff=handoff))
+                else:
+                    t.register_hook(self._pre_backward)
             if self.is_root:  # its parameters are needed first thing in backward, unless told otherwise
                 keep = not self.options.reshard_root_after_forward
             else:
