@@ -14,6 +14,7 @@ Padding is only ever at the end, so it belongs to the last rank(s).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -40,11 +41,13 @@ class FlatLayout:
         if self.world_size < 1:
             raise ValueError(f"FlatLayout needs world_size >= 1, got {self.world_size}.")
 
-    @property
+    # The layout is immutable and these are read per unit per pass: computed once (cached_property writes
+    # the instance's __dict__ directly, which a frozen dataclass allows).
+    @cached_property
     def numels(self) -> tuple[int, ...]:
         return tuple(int(torch.Size(s).numel()) for s in self.shapes)
 
-    @property
+    @cached_property
     def offsets(self) -> tuple[int, ...]:
         """Start of each parameter in the (unpadded) flat tensor."""
         out, acc = [], 0
@@ -53,20 +56,20 @@ class FlatLayout:
             acc += n
         return tuple(out)
 
-    @property
+    @cached_property
     def total_numel(self) -> int:
         return sum(self.numels)
 
-    @property
+    @cached_property
     def shard_numel(self) -> int:
         """Elements per rank (every rank's shard has this length, padding included)."""
         return -(-self.total_numel // self.world_size) if self.total_numel else 0
 
-    @property
+    @cached_property
     def padded_numel(self) -> int:
         return self.shard_numel * self.world_size
 
-    @property
+    @cached_property
     def padding(self) -> int:
         return self.padded_numel - self.total_numel
 

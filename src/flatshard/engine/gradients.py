@@ -104,6 +104,8 @@ class UnitGradients:
     _grad_numel: int
     _shard_len: int
     _reduce_chunk: int
+    _trainable_is_prefix: bool
+    _trainable_end: int
     layout: FlatLayout
     shard_infos: tuple[ShardInfo, ...]
     shard_group: Any | None
@@ -179,6 +181,15 @@ class UnitGradients:
                 flat, offset = flat[part.numel() :], offset + part.numel()
         return out
 
+    def _packs_by_cat(self, grads: Sequence[torch.Tensor | None]) -> bool:
+        """Whether the reduction's layout is the gradients one after another: every trainable parameter
+        has a gradient of the flat dtype, they are the first parameters, and the layout keeps offsets
+        (every shard's chunk is the whole shard)."""
+        if not self._trainable_is_prefix or self._reduce_chunk != self._shard_len:
+            return False
+        dtype = self._flat.dtype
+        return all(grad is not None and grad.dtype == dtype for grad in grads)
+
     def _reduce_numel(self) -> int:
         """Elements of the unsharded gradient a reduction takes: ``chunk`` per rank of the shard group."""
         return self._reduce_chunk * self.shard_world
@@ -191,6 +202,12 @@ class UnitGradients:
         buffers get huge pages (see [Note: huge pages for CPU buffers]).
         """
         flat = memory.empty_flat(self._reduce_numel(), self._flat.dtype, self.device)
+        if self._packs_by_cat(grads):  # one copy for the whole unit rather than one per parameter
+            used = self._trainable_end
+            torch.cat([grad.reshape(-1) for grad in grads], out=flat[:used])  # type: ignore[union-attr]
+            if used < flat.numel():
+                flat[used:].zero_()
+            return flat
         return FlatPieces(flat.numel(), flat.dtype, self.device, self._pieces_to_reduce(grads)).materialize(
             flat
         )

@@ -212,6 +212,10 @@ class FlatParamHandle(UnitGradients):
             memory.free_storage(self._gather)
         self._flat: torch.Tensor = torch.empty(0, dtype=compute, device=device)
         self._flat.data = self._gather
+        # Views made once and reused every step: the shard's pieces, and the gathered flat's untracked views
+        # (valid across frees and gathers, which keep the storage object).
+        self._piece_views: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        self._flat_views: list[torch.Tensor] | None = None
         # See [Note: gradients of a unit]: the unit's post-backward hook goes on this scalar leaf.
         self.grad_anchor = torch.zeros((), device=device, requires_grad=True)
         self._pending_unshard: comm.InFlight | None = None  # a gather issued and not yet waited for
@@ -237,6 +241,10 @@ class FlatParamHandle(UnitGradients):
         # What a reduction moves per rank: the start of each shard up to the trainable extent (see [Note:
         # reducing only what trains]); the whole shard when everything trains.
         self._shard_len = hi - lo
+        # Trainable parameters first, in order (as shard() lays them out until requires_grad changes):
+        # their gradients then pack with one concatenation (see pack_grads).
+        self._trainable_is_prefix = self._trainable == list(range(len(self._trainable)))
+        self._trainable_end = end
         self._reduce_chunk = self._shard_len if self.all_require_grad else min(self._shard_len, end)
 
     def refresh_requires_grad(self, track_frozen: bool = False) -> None:
@@ -266,10 +274,20 @@ class FlatParamHandle(UnitGradients):
         return self._shard_piece(self._sharded, i)
 
     def use_sharded_views(self) -> None:
-        """Point every original Parameter at its piece of the local shard and put it back on its modules."""
-        for i, p in enumerate(self.params):
-            p.data = self._shard_piece(self._sharded, i)
-            for module, name in self.aliases[i]:
+        """Point every original Parameter at its piece of the local shard and put it back on its modules.
+
+        The pieces are views made once per shard tensor (the shard is never reallocated, and setting
+        ``.data`` copies a view's metadata, never shares the view): this runs twice per unit per step.
+        """
+        cached = self._piece_views
+        if cached is None or cached[0] is not self._sharded:
+            cached = self._piece_views = (
+                self._sharded,
+                [self._shard_piece(self._sharded, i) for i in range(len(self.params))],
+            )
+        for p, piece, aliases in zip(self.params, cached[1], self.aliases, strict=True):
+            p.data = piece
+            for module, name in aliases:
                 module._parameters[name] = p
 
     def use_unsharded_views(self) -> None:
@@ -279,8 +297,12 @@ class FlatParamHandle(UnitGradients):
         post-backward hook and notes which parameters took part: a parameter no rank used keeps
         ``grad=None``, as it would without sharding (see :meth:`assign_grads`).
         """
-        untracked = split_flat(self._flat.detach(), self.layout)
-        views: list[torch.Tensor] = list(untracked)
+        cached = self._flat_views
+        if (
+            cached is None
+        ):  # _flat's storage object lives as long as the unit: [Note: freeing gathered storage]
+            cached = self._flat_views = split_flat(self._flat.detach(), self.layout)
+        views: list[torch.Tensor] = list(cached)
         if torch.is_grad_enabled() and self.any_requires_grad:
             tracked = _UnflattenViews.apply(self.grad_anchor, self._flat, self)
             for i, view in zip(self._trainable, tracked, strict=True):
