@@ -54,7 +54,16 @@ def _profile(step: Any, batches: list[Any], device: torch.device, steps: int) ->
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - t0
     events = prof.events()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    # Device-side events, less the ranges a record_function annotation also draws on the device
+    # ("Optimizer.step#AdamW.step", "DistributedDataParallel.forward"): they span kernels, they are none.
+    annotated = {e.name for e in events if getattr(e, "is_user_annotation", False)}
+    kernels = [
+        e
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and not getattr(e, "is_user_annotation", False)
+        and e.name not in annotated
+    ]
     intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
     out: dict[str, Any] = {"profiled_steps": steps, "profiled_wall_s_per_step": wall / steps}
     if kernels:

@@ -67,7 +67,7 @@ def _watch(limiter: Any) -> list[int]:
 
     def watched() -> None:
         pending = list(limiter._free_events)
-        if limiter.enabled and len(pending) >= limiter.max_in_flight and not pending[0].query():
+        if limiter.enabled and len(pending) >= limiter.max_in_flight and not pending[0][0].query():
             ahead[0] += 1
         before()
 
