@@ -155,3 +155,37 @@ def test_a_write_failing_fails_the_streamed_save_on_every_rank(tmp_path: Path, a
         assert "HINT" in r["error"], (rank, r["error"])
     assert results[0]["listing"] == ["full.ckpt"]  # the temporary is gone
     assert torch.load(tmp_path / "full.ckpt", weights_only=True)["save"] == 1  # the first save, whole
+
+
+def _load_growth(rank: int, world: int, folder: str, stepped: bool) -> dict[str, Any]:
+    """Peak memory growth (anonymous + file pages) of this rank while it loads the full file."""
+    torch.set_num_threads(1)
+    model = flatshard.shard(_model(), auto_wrap_policy={nn.Linear})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if stepped:  # the optimizer's state exists already (a run that stepped): loaded in place
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    with open("/proc/self/status") as f:
+        before = next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+    flatshard.load_checkpoint(Path(folder) / "full.ckpt", model, opt)
+    growth = _hwm_mib() - before
+    state, optim = flatshard.get_state_dict(model, opt)
+    return {"growth_mib": growth, "model": state, "optim": optim}
+
+
+@pytest.mark.parametrize("stepped", [False, True])
+def test_resuming_from_a_full_file_reads_only_what_each_rank_keeps(tmp_path: Path, stepped: bool) -> None:
+    """See [Note: reading a full file by byte ranges]: a rank's memory grows by what it keeps (its half of the
+    optimizer state, a third of the file, when the optimizer has none yet; nothing when it has), plus a window
+    of one tensor's pages and the file's index, not by the pages of the file it read (half the file)."""
+    saved = spawn(_save, 2, str(tmp_path))
+    file_mib = (tmp_path / "full.ckpt").stat().st_size / 2**20
+    loaded = spawn(_load_growth, 2, str(tmp_path), stepped)
+    assert _equal(loaded[0]["model"], saved[0]["model"]) and _equal(loaded[0]["optim"], saved[0]["optim"])
+    keeps = 0.0 if stepped else file_mib / 3
+    for rank in range(2):
+        assert loaded[rank]["growth_mib"] < keeps + 8, (rank, loaded[rank]["growth_mib"], file_mib)

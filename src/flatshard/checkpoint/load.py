@@ -18,6 +18,7 @@ from flatshard.checkpoint.dcp_layout import Names
 from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.files import load_checkpoint_file
 from flatshard.checkpoint.load_sharded import load_sharded
+from flatshard.checkpoint.mapped import MappedPages
 from flatshard.checkpoint.storage import Location, Remote, locate_checked, remote_kind
 from flatshard.checkpoint.validate import (
     agree_on_error,
@@ -30,6 +31,7 @@ from flatshard.engine import (
     check_full_model_state_dict,
     convert_full_optim_state_dict,
     is_sharded,
+    load_converted_optim_state,
     load_full_model_state_dict,
     optimizer_list,
 )
@@ -153,7 +155,7 @@ def _load_full(
         if with_optim:
             pairs = list(enumerate(zip(optimizers, checkpoint["optimizer_states"], strict=True)))
             local_optim = [
-                convert_full_optim_state_dict(module, opt, st, source=f"{path} (optimizer #{i})")
+                convert_full_optim_state_dict(module, opt, st, source=f"{path} (optimizer #{i})", copy=False)
                 for i, (opt, st) in pairs
             ]
             for i, (opt, st) in pairs:
@@ -165,10 +167,18 @@ def _load_full(
     agree_on_error(error)
     extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     check_required(path, extra, required)
-    load_full_model_state_dict(module, checkpoint["state_dict"], strict=strict, source=str(path))
+    pages = _pages(path)  # see [Note: reading a full file by byte ranges]
+    load_full_model_state_dict(
+        module, checkpoint["state_dict"], strict=strict, source=str(path), after_copy=pages.release
+    )
     for opt, local in zip(optimizers, local_optim):
-        opt.load_state_dict(local)
+        load_converted_optim_state(opt, local, after_copy=pages.release)
     return extra
+
+
+def _pages(location: Location) -> MappedPages:
+    """Where a local full file is mapped (to give back the pages read); nothing for one read from a URL."""
+    return MappedPages(None if isinstance(location, Remote) else location)
 
 
 def load_full_entries(
@@ -200,7 +210,9 @@ def load_full_entries(
             where = str(location) if name is None else f"{location} [{name!r}]"
             if isinstance(target, tuple):
                 optimizer, owner = target
-                converted[name] = convert_full_optim_state_dict(owner, optimizer, state, source=where)
+                converted[name] = convert_full_optim_state_dict(
+                    owner, optimizer, state, source=where, copy=False
+                )
                 check_optim_state_kinds(where, optimizer, state, allow_dtype_kind_cast)
             elif is_sharded(target):
                 check_full_model_state_dict(target, state, strict=strict, source=where)
@@ -210,14 +222,17 @@ def load_full_entries(
     except ValueError as err:
         error = CheckpointError(str(err))
     agree_on_error(error)
+    pages = _pages(location)
     for name, target in targets.items():
         state = checkpoint if name is None else checkpoint.get(name)
         if state is None:
             continue
         if isinstance(target, tuple):
-            target[0].load_state_dict(converted[name])
+            load_converted_optim_state(target[0], converted[name], after_copy=pages.release)
         elif is_sharded(target):
-            load_full_model_state_dict(target, state, strict=strict, source=str(location))
+            load_full_model_state_dict(
+                target, state, strict=strict, source=str(location), after_copy=pages.release
+            )
         else:
             target.load_state_dict(state, strict=strict)
     if None in targets:

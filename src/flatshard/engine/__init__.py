@@ -52,6 +52,7 @@ from flatshard.engine.state.full_model import (
 from flatshard.engine.state.full_optim import (
     convert_full_optim_state_dict,
     full_optim_state_dict,
+    load_converted_optim_state,
     load_full_optim_state_dict,
 )
 from flatshard.engine.state.optim_binding import original_shapes, rebind_optimizer
@@ -107,6 +108,7 @@ __all__ = [
     "is_forward_method",
     "is_sharded",
     "join",
+    "load_converted_optim_state",
     "load_full_model_state_dict",
     "load_full_optim_state_dict",
     "local_param_targets",

@@ -200,9 +200,18 @@ def check_full_model_state_dict(
 
 
 def load_full_model_state_dict(
-    module: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True, source: str = "state_dict"
+    module: nn.Module,
+    state_dict: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    source: str = "state_dict",
+    after_copy: Callable[[torch.Tensor], None] | None = None,
 ) -> None:
-    """Load a full state dict; each rank copies only its own slices. Validates everything first."""
+    """Load a full state dict; each rank copies only its own slices. Validates everything first.
+
+    ``after_copy`` is called with each slice read once it is copied (the loader of a memory-mapped file gives
+    its pages back there: see [Note: reading a full file by byte ranges]).
+    """
     expected = check_full_model_state_dict(module, state_dict, strict=strict, source=source)
     rest: dict[str, Any] = {}
     with torch.no_grad():
@@ -217,8 +226,14 @@ def load_full_model_state_dict(
             if info.numel_in_shard:
                 src = value.reshape(-1)[info.offset_in_param : info.offset_in_param + info.numel_in_shard]
                 handle.sharded[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard].copy_(src)
+                if after_copy is not None:
+                    after_copy(src)
     if rest:
         module.load_state_dict(rest, strict=False)
+        if after_copy is not None:
+            for value in rest.values():
+                if isinstance(value, torch.Tensor):
+                    after_copy(value)
 
 
 def _short(keys: list[str], limit: int = 8) -> str:

@@ -26,6 +26,7 @@ from flatshard.engine.transport.comm import global_rank
 __all__ = [
     "convert_full_optim_state_dict",
     "full_optim_state_dict",
+    "load_converted_optim_state",
     "load_full_optim_state_dict",
     "optimizer_params",
     "plan_full_optim_state_dict",
@@ -152,10 +153,12 @@ def convert_full_optim_state_dict(
     optimizer: torch.optim.Optimizer,
     state_dict: Mapping[str, Any],
     source: str = "optimizer state",
+    copy: bool = True,
 ) -> dict[str, Any]:
     """Validate a full (plain-format) optimizer state and cut out this rank's slices; changes nothing.
 
-    Returns the state dict to pass to ``optimizer.load_state_dict``.
+    Returns the state dict to pass to ``optimizer.load_state_dict``, its tensors private copies; with
+    ``copy=False`` they are views of ``state_dict``'s, for :func:`load_converted_optim_state`.
     """
     prepare_for_state_io(module, "set_state_dict")
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
@@ -194,13 +197,46 @@ def convert_full_optim_state_dict(
                     ]
             # Always a private copy: the optimizer updates state in place (``step`` included), and the
             # source may be another optimizer's live state or a memory-mapped file.
-            converted[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            converted[key] = value.clone() if copy and isinstance(value, torch.Tensor) else value
         local_state[pos] = converted
     groups = [
         dict(g, params=list(range(start, start + len(g["params"]))))
         for g, start in zip(saved_groups, _starts(sizes_saved), strict=False)
     ]
     return {"state": local_state, "param_groups": groups}
+
+
+def load_converted_optim_state(
+    optimizer: torch.optim.Optimizer,
+    converted: dict[str, Any],
+    after_copy: Callable[[torch.Tensor], None] | None = None,
+) -> None:
+    """Load what ``convert_full_optim_state_dict(..., copy=False)`` cut out (views of the source).
+
+    Each tensor is copied into the optimizer's current state tensor of the same shape, dtype and device where
+    there is one (an optimizer that has stepped: no new memory), else into a new one; ``after_copy`` is called
+    with each source once copied (see [Note: reading a full file by byte ranges]).
+    """
+    params = optimizer_params(optimizer)
+    for pos, entries in converted["state"].items():
+        current = optimizer.state.get(params[pos], {})
+        for key, value in entries.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            old = current.get(key)
+            if (
+                isinstance(old, torch.Tensor)
+                and old is not value
+                and old.shape == value.shape
+                and old.dtype == value.dtype
+                and old.device == value.device
+            ):
+                entries[key] = old.copy_(value)
+            else:
+                entries[key] = value.clone()
+            if after_copy is not None:
+                after_copy(value)
+    optimizer.load_state_dict(converted)
 
 
 def _starts(sizes: list[int]) -> list[int]:
