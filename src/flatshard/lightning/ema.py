@@ -42,6 +42,10 @@ class ShardedEMA(Callback):
         swap_predict: predict on the EMA weights. Default: ``False``.
     """
 
+    # Its on_save_checkpoint changes state_dict only under strategies that do not stream (see [Note: streamed
+    # Trainer saves]).
+    flatshard_stream_safe = True
+
     def __init__(
         self, decay: float = 0.999, every_n_steps: int = 1, swap_eval: bool = True, swap_predict: bool = False
     ) -> None:

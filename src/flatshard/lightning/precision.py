@@ -123,6 +123,9 @@ class FlatShardPrecision(Precision):
         scaler: the scaler for ``"16-mixed"``; default: a :class:`FlatShardGradScaler`.
     """
 
+    # Its on_save_checkpoint adds the scaler's state, nothing else: see [Note: streamed Trainer saves].
+    flatshard_stream_safe = True
+
     def __init__(
         self,
         precision: PrecisionFlag = "32-true",

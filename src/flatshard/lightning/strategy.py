@@ -24,8 +24,11 @@ from torch import Tensor
 from typing_extensions import Unpack, override
 
 from flatshard.checkpoint import (
+    ModelState,
+    OptimizerState,
     gather_for_save,
     load_into,
+    save_full_streamed,
 )
 from flatshard.engine import (
     ShardingStrategy,
@@ -50,6 +53,7 @@ from flatshard.lightning.launcher import SpawnLauncher
 from flatshard.lightning.options import TrainerOptionArguments, takes_options
 from flatshard.lightning.precision import FlatShardPrecision, to_flatshard_precision
 from flatshard.lightning.step_modes import StepModes
+from flatshard.lightning.streamed_saves import hook_reading_state, inside_trainer_save, report_not_streamed
 from flatshard.lightning.summary import count_full_parameters
 from flatshard.strategy_names import register_names
 
@@ -345,6 +349,8 @@ class FlatShardStrategy(ShellMembers, ParallelStrategy):
         assert self.model is not None
         if self.options.state_dict_type == "sharded":
             return sharded_model_state_dict(self.model)  # views of this rank's pieces, no communication
+        if self._streams_this_save():  # written as it is gathered: see [Note: streamed Trainer saves]
+            return ModelState(self.model)  # type: ignore[return-value]
         with gather_for_save():  # a rank that dies meanwhile is named on the others
             return full_model_state_dict(self.model, rank0_only=True, to_cpu=True)
 
@@ -355,6 +361,8 @@ class FlatShardStrategy(ShellMembers, ParallelStrategy):
             optimizer = optimizer._optimizer
         if self.options.state_dict_type == "sharded":
             return sharded_optim_state_dict(self.model, optimizer)
+        if self._streams_this_save():
+            return OptimizerState(self.model, optimizer)  # type: ignore[return-value]
         with gather_for_save():
             return full_optim_state_dict(self.model, optimizer, rank0_only=True, to_cpu=True)
 
@@ -373,7 +381,24 @@ class FlatShardStrategy(ShellMembers, ParallelStrategy):
         """Write a full file from rank 0, or (``state_dict_type="sharded"``) a directory from every rank; a
         local path or an fsspec URL (see [Note: checkpoint storage])."""
         self._core.refuse_storage_options(storage_options, "FlatShardStrategy")
+        if _has_placeholders(checkpoint):  # see [Note: streamed Trainer saves]
+            save_full_streamed(filepath, checkpoint)
+            return
         self._core.write(checkpoint, filepath)
+
+    def _streams_this_save(self) -> bool:
+        """Whether the full state asked for now goes into a checkpoint that ``save_checkpoint`` streams."""
+        if self._core.async_saver is not None or not inside_trainer_save():
+            return False
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is None:
+            return False
+        hook = hook_reading_state(trainer)
+        if hook is not None:
+            report_not_streamed(hook)
+            return False
+        return True
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -426,3 +451,11 @@ class FlatShardStrategy(ShellMembers, ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_names(strategy_registry, cls)
+
+
+def _has_placeholders(checkpoint: Mapping[str, Any]) -> bool:
+    state = checkpoint.get("state_dict")
+    optimizers = checkpoint.get("optimizer_states")
+    return isinstance(state, ModelState) or (
+        isinstance(optimizers, list) and any(isinstance(o, OptimizerState) for o in optimizers)
+    )
