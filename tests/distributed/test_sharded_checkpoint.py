@@ -8,12 +8,15 @@ and training resumed from the directory matches the reference trained straight t
 
 from __future__ import annotations
 
+import ctypes
+import importlib
 import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 
 import flatshard
 from flatshard.checkpoint import CheckpointError
@@ -237,3 +240,48 @@ def test_damaged_sharded_checkpoint_fails_before_any_change(
     for r in results:
         assert r["error"] is not None and expected in r["error"] and str(ckpt) in r["error"], r["error"]
         assert r["unchanged"] and r["opt_state"] == 0
+
+
+def _write_wide(rank: int, world: int, root: str) -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = flatshard.shard(
+        nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(6)]), auto_wrap_policy={nn.Linear}
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 1024, generator=torch.Generator().manual_seed(rank))).pow(2).mean().backward()
+    opt.step()
+    flatshard.save_checkpoint(f"{root}/full.ckpt", model, opt, state_dict_type="full")
+    flatshard.save_checkpoint(f"{root}/dir", model, opt, state_dict_type="sharded")
+
+
+def _consolidate_measured(rank: int, world: int, root: str, batch_bytes: int) -> float:
+    # the module (the package's name ``consolidate`` is the function)
+    consolidate_module = importlib.import_module("flatshard.checkpoint.consolidate")
+    consolidate_module.BATCH_BYTES = batch_bytes
+    # Blocks of 1 MiB and more come from mappings of their own and go back when freed, in both runs: glibc's
+    # moving threshold would otherwise keep freed batches in the heap, more or less of them from run to run.
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    with open("/proc/self/status") as f:
+        before = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+    flatshard.consolidate(f"{root}/dir", f"{root}/cons-{batch_bytes}.ckpt")
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+    return (peak - before) / 1024
+
+
+def test_consolidate_streams_the_file_one_batch_at_a_time(tmp_path: Path) -> None:
+    """``flatshard consolidate`` writes each tensor into the file as it is read (batches of BATCH_BYTES): the
+    process holds about one batch, not the whole state, and the file equals the full save of the same state.
+    Measured in fresh processes against reading everything in one batch, which holds the whole state."""
+    spawn(_write_wide, 2, str(tmp_path))
+    total = (tmp_path / "full.ckpt").stat().st_size / 2**20  # 72 MiB: weights and AdamW's two states
+    batched = spawn(_consolidate_measured, 1, str(tmp_path), 8 << 20)[0]
+    whole = spawn(_consolidate_measured, 1, str(tmp_path), 1 << 40)[0]
+    assert whole - batched > 0.6 * total, (batched, whole, total)
+    a = torch.load(tmp_path / "full.ckpt", weights_only=True)
+    for name in (f"cons-{8 << 20}.ckpt", f"cons-{1 << 40}.ckpt"):
+        _close(a, torch.load(tmp_path / name, weights_only=True), tol=0.0)

@@ -1,4 +1,10 @@
-"""``consolidate``: a sharded checkpoint directory to one full file, offline (no process group)."""
+"""``consolidate``: a sharded checkpoint directory to one full file, offline (no process group).
+
+The tensors are read in batches of about ``BATCH_BYTES`` and each is written into the file as soon as it is read
+(see [Note: a torch.save file written as it streams]); the dict, holding the records' stand-ins, is pickled
+last. The process holds one batch of tensors at a time, whatever the checkpoint's size, and the file is the one
+``torch.save`` writes for the same dict (one record per tensor read, so names that share an entry share it).
+"""
 
 from __future__ import annotations
 
@@ -8,14 +14,18 @@ from typing import Any
 
 import torch
 
+from flatshard.checkpoint.dcp_layout import Layout
 from flatshard.checkpoint.directory import OBJECT, ShardedReader
 from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.export import export_safetensors
-from flatshard.checkpoint.files import atomic_save
+from flatshard.checkpoint.files import atomic_write
 from flatshard.checkpoint.storage import Remote, locate_checked
+from flatshard.checkpoint.stream_file import StreamedTorchFile
 from flatshard.engine import ParamShard
 
-__all__ = ["consolidate"]
+__all__ = ["BATCH_BYTES", "consolidate"]
+
+BATCH_BYTES = 256 * 2**20  # tensors read from the directory at a time
 
 
 def consolidate(src: str | os.PathLike[str] | Remote, out: str | os.PathLike[str] | Remote) -> Path | str:
@@ -37,29 +47,60 @@ def consolidate(src: str | os.PathLike[str] | Remote, out: str | os.PathLike[str
             f"entries include {sorted(reader.entries)[:6]}). HINT: pass a directory written by flatshard, "
             "Lightning's FSDP or ModelParallel strategies, or torch FSDP with a 'model' entry."
         )
-    targets: dict[str, Any] = {}
     wanted = list((layout.model or {}).values())
     for _, state_entries in layout.optimizers:
         wanted += list(state_entries)
-    for fqn in dict.fromkeys(wanted):
+    fqns = list(dict.fromkeys(wanted))
+    object_fqns = [fqn for fqn in fqns if reader.tensor_meta(fqn) is None]
+    objects = reader.read(dict.fromkeys(object_fqns, OBJECT)) if object_fqns else {}
+    checkpoint: dict[str, Any] = reader.with_whole_pieces(reader.read_extra(layout))
+
+    def write(f: Any) -> None:
+        file = StreamedTorchFile(f)
+        try:
+            records = _stream_tensors(reader, [fqn for fqn in fqns if fqn not in object_fqns], file)
+            file.finish(_assemble(reader, layout, checkpoint, {**objects, **records}))
+        finally:
+            file.close()
+
+    return atomic_write(target, write)
+
+
+def _stream_tensors(reader: ShardedReader, fqns: list[str], file: StreamedTorchFile) -> dict[str, Any]:
+    """Read the tensor entries ``fqns`` in batches of about ``BATCH_BYTES``, each written to ``file`` at once;
+    returns each entry's stand-in."""
+    records: dict[str, Any] = {}
+    batch: dict[str, Any] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal batch, size
+        reader.read(batch)
+        for fqn, t in batch.items():
+            records[fqn] = file.tensor(t.local.view(t.shape) if isinstance(t, ParamShard) else t)
+        batch, size = {}, 0
+
+    for fqn in fqns:
         md = reader.tensor_meta(fqn)
-        if md is None:
-            targets[fqn] = OBJECT
-        elif reader.is_piece(fqn):  # format version 1: stored flat
-            targets[fqn] = ParamShard(
-                torch.empty(md.size, dtype=md.properties.dtype), 0, reader.full_shape(fqn)
-            )
-        else:
-            targets[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
-    objects = reader.read(targets)
+        assert md is not None
+        flat = torch.empty(md.size, dtype=md.properties.dtype)
+        batch[fqn] = ParamShard(flat, 0, reader.full_shape(fqn)) if reader.is_piece(fqn) else flat  # v1: flat
+        size += flat.numel() * flat.element_size()
+        if size >= BATCH_BYTES:
+            flush()
+    if batch:
+        flush()
+    return records
+
+
+def _assemble(
+    reader: ShardedReader, layout: Layout, checkpoint: dict[str, Any], values: dict[str, Any]
+) -> dict[str, Any]:
+    """The full checkpoint dict from the directory's layout, with ``values`` (by entry) in place."""
 
     def value(fqn: str) -> Any:
-        t = targets[fqn]
-        if t is OBJECT:
-            return objects[fqn]
-        return t.local.view(t.shape) if isinstance(t, ParamShard) else t
+        return values[fqn]
 
-    checkpoint: dict[str, Any] = reader.with_whole_pieces(reader.read_extra(layout))
     if layout.model is not None:
         checkpoint["state_dict"] = {k: value(fqn) for k, fqn in layout.model.items()}
     if layout.num_optimizers is not None:
@@ -78,4 +119,4 @@ def consolidate(src: str | os.PathLike[str] | Remote, out: str | os.PathLike[str
                 start += len(g["params"])
             states.append({"state": dict(sorted(state.items())), "param_groups": plain_groups})
         checkpoint["optimizer_states"] = states
-    return atomic_save(checkpoint, target)
+    return checkpoint

@@ -42,6 +42,7 @@ import torch
 from flatshard.checkpoint.directory import ShardedReader, is_sharded_checkpoint
 from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.files import atomic_write, load_checkpoint_file
+from flatshard.checkpoint.mapped import MappedPages
 from flatshard.checkpoint.storage import Remote, locate, locate_checked
 from flatshard.engine import ParamShard
 from flatshard.version import __version__
@@ -131,6 +132,9 @@ class _State:
     extra: Mapping[str, Any]  # the rest of the checkpoint (callbacks, epoch, ...)
     reader: ShardedReader | None
     notes: list[str]
+    pages: MappedPages | None = (
+        None  # a local full file's mapping: see [Note: reading a full file by byte ranges]
+    )
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,8 @@ def export_safetensors(
         with _Progress(total, progress and total >= PROGRESS_MIN_BYTES, os.path.basename(str(out))) as bar:
             for entry, tensor in _tensors(entries, state.reader):
                 _write_tensor(f, entry, tensor, bar)
+                if state.pages is not None:  # the pages just read from a mapped file go back
+                    state.pages.release(tensor)
 
     path = atomic_write(target, write)
     return ExportResult(path, len(entries), total, aliases, tuple(state.notes))
@@ -274,7 +280,8 @@ def _open(src: str | os.PathLike[str] | Remote) -> _State:
     values = {
         k: v if isinstance(v, torch.Tensor) else _NotTensor(f"a {type(v).__name__}") for k, v in model.items()
     }
-    return _State(str(location), values, _tensor_ties(values), checkpoint, None, [])
+    pages = MappedPages(location) if isinstance(location, Path) else None
+    return _State(str(location), values, _tensor_ties(values), checkpoint, None, [], pages)
 
 
 def _sharded_state(reader: ShardedReader) -> _State:
@@ -406,7 +413,7 @@ def _with_ema(state: _State, key: str | None) -> _State:
             f"{_some(kept)}"
         )
     ties = {k: leader for k, leader in leaders.items() if leader != k}
-    return _State(state.path, values, ties, state.extra, state.reader, notes)
+    return _State(state.path, values, ties, state.extra, state.reader, notes, state.pages)
 
 
 def _select(state: _State, prefix: str) -> tuple[list[_Entry], dict[str, str]]:
