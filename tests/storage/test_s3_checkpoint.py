@@ -5,6 +5,7 @@ directory, a missing bucket, an unreachable endpoint and a missing fsspec backen
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import time
@@ -267,3 +268,59 @@ def test_a_url_collapsed_by_pathlib_is_refused(local_cwd: Path) -> None:
             flatshard.save_checkpoint(path, model, optimizer, state_dict_type="sharded")
         with pytest.raises(CheckpointError, match="whose '//' was collapsed"):
             flatshard.load_checkpoint(path, model, optimizer)
+
+
+# ------------------------------------------------------------------------------------- multipart
+WIDE = 1024  # Linear units of 4 MiB, 12 MiB with AdamW's two states
+
+
+def _streamed_upload(rank: int, world: int, url: str, cwd: str, layers: int) -> dict[str, Any]:
+    os.chdir(cwd)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = flatshard.shard(
+        torch.nn.Sequential(*[torch.nn.Linear(WIDE, WIDE, bias=False) for _ in range(layers)]),
+        auto_wrap_policy={torch.nn.Linear},
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, WIDE, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    optimizer.step()
+    # Blocks of 1 MiB and more get mappings of their own and go back when freed: glibc's moving threshold would
+    # otherwise keep freed part buffers in the heap, a measure of the allocator rather than of the upload.
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    with open("/proc/self/status") as f:
+        before = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+    flatshard.save_checkpoint(url, model, optimizer)
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+    return {"growth_mib": (peak - before) / 1024, "state": _full_state(model, optimizer)}
+
+
+@pytest.mark.timeout(180)
+def test_a_streamed_full_save_uploads_in_parts_as_it_is_written(
+    s3_url: str, local_cwd: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file goes up as a multipart upload, a part at a time while the units are gathered (s3fs's block size,
+    5 MiB here), committed only when complete: the writing rank's memory is a unit and a few parts, the same for
+    a file twice as large, never the file."""
+    monkeypatch.setenv("FSSPEC_S3_DEFAULT_BLOCK_SIZE", str(5 << 20))
+    fsspec.config.set_conf_env(fsspec.config.conf)  # this process reads the variable as its ranks will
+    growth, sizes = [], []
+    for layers in (6, 12):
+        url = f"{s3_url}/full-{layers}.ckpt"
+        ranks = spawn(_streamed_upload, 2, url, str(local_cwd), layers)
+        info = fsspec.filesystem("s3").info(url, refresh=True)
+        etag = str(info.get("ETag", "")).strip('"')
+        assert "-" in etag and int(etag.rsplit("-", 1)[1]) >= 6 * layers // 5, (
+            layers,
+            etag,
+        )  # parts of ~8 MiB
+        with fsspec.open(url, "rb") as f:
+            ckpt = torch.load(f, weights_only=True)
+        _assert_same_state((ckpt["state_dict"], ckpt["optimizer_states"][0]), ranks[0]["state"])
+        growth.append(ranks[0]["growth_mib"])
+        sizes.append(info["size"] / 2**20)
+    assert sizes[1] > sizes[0] + 70, sizes
+    assert growth[1] < growth[0] + 12 and growth[1] < 0.5 * sizes[1], (growth, sizes)
