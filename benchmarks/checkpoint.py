@@ -1,15 +1,18 @@
 """Time and memory to gather the full model + optimizer state on rank 0: flatshard vs torch FSDP1 / FSDP2,
-cold (the first gather of a fresh process group) and warm, in one run.
+in the user's sequence (right after training) and, as labelled extra rows, warm repeats, in one run.
 
 Every contender builds the same GPT (``examples/gpt/model.py``) from the same seed on ``--world-size``
 ranks (default 2), in freshly spawned processes with a fresh process group (gloo on CPU), shards it,
-creates ``AdamW(lr=1e-4)`` and trains one step on a fixed random batch so that the optimizer has state
-(``step``, ``exp_avg``, ``exp_avg_sq``). Then, after ``gc.collect()``, ``malloc_trim(0)`` and a barrier:
+creates ``AdamW(lr=1e-4)`` and trains ``--train-steps`` steps (default 6) on fixed random batches. Then:
 
-1. **cold**: the first gather of the process group, nothing gathered before it (one per contender: each
-   contender runs in its own fresh processes);
-2. ``--warmup`` untimed gathers (default 0), then **warm**: ``--repeats`` gathers (default 3; medians
-   reported), each after freeing the previous result, ``gc.collect()``, ``malloc_trim(0)`` and a barrier.
+1. **cold** (the user's sequence): the first gather, right after the last training step and a barrier, with
+   nothing in between (no ``gc``, no trim) and nothing gathered before it in the process group (each contender
+   runs in its own fresh processes);
+2. ``--warmup`` untimed gathers (default 0), then **warm** (extra rows): ``--repeats`` gathers (default 3;
+   medians reported), each after freeing the previous result and ``gc.collect()``.
+
+``--malloc-trim`` (a labelled variant, off by default) calls glibc's ``malloc_trim(0)`` before every gather,
+the first one included: conditions a user's run would not create.
 
 Each gather is one call that returns the full, consolidated model and optimizer state on rank 0 (other
 ranks get empty dicts), offloaded to CPU:
@@ -229,7 +232,9 @@ def _le(x: float | None, limit: float) -> bool:
     return x is not None and x <= limit
 
 
-def format_table(results: dict[str, dict[str, Any]], ratios: dict[str, dict[str, Any]]) -> str:
+def format_table(
+    results: dict[str, dict[str, Any]], ratios: dict[str, dict[str, Any]], trimmed: bool = False
+) -> str:
     headers = [
         "contender",
         "phase",
@@ -254,7 +259,9 @@ def format_table(results: dict[str, dict[str, Any]], ratios: dict[str, dict[str,
             rows.append(
                 [
                     name,
-                    phase if phase == "cold" else f"warm (median of {len(p['poller_samples'])})",
+                    ("after training" + (", malloc_trim first" if trimmed else ""))
+                    if phase == "cold"
+                    else f"warm repeats (median of {len(p['poller_samples'])})",
                     fmt(p["gather_s"], ".3f"),
                     f"{p['private_before_mib_per_rank'][0]:.0f} / {p['rank0_private_peak_mib']:.0f}",
                     " / ".join(fmt(x, ".0f") for x in p["private_peak_mib_per_rank"][1:]),
@@ -348,10 +355,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="FSDP1 offload_to_cpu; auto: True, and if that run fails (torch 2.13 segfaults on CPU),\n"
         "run FSDP1 again in fresh processes with False",
     )
-    no_trim = (
-        "do not call glibc malloc_trim(0) before each gather (a gather may then reuse freed heap memory)"
-    )
-    p.add_argument("--no-malloc-trim", dest="malloc_trim", action="store_false", help=no_trim)
+    trim = "call glibc malloc_trim(0) before each gather, the first included (a variant; off: the user's sequence)"
+    p.add_argument("--malloc-trim", action="store_true", help=trim)
+    p.add_argument("--train-steps", type=int, default=6, help="training steps before the first gather")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a contender may run")
     p.add_argument("--out", type=Path, default=None, help="JSON path; the PNG goes next to it")
     p.add_argument(
@@ -379,9 +385,10 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
         warmup=args.warmup,
         memory_method=args.memory_method,
         malloc_trim=args.malloc_trim,
+        train_steps=args.train_steps,
         fsdp1_offload=args.fsdp1_offload,
         touch_host_mib=args.touch_host_mib,
-        optimizer="AdamW(lr=1e-4), other defaults; one training step before the gathers",
+        optimizer=f"AdamW(lr=1e-4), other defaults; {args.train_steps} training steps before the first gather",
         precision="fp32",
     )
     return cfg
@@ -540,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     report["notes"] = notes
 
-    table = format_table(results, report["ratios"])
+    table = format_table(results, report["ratios"], cfg["malloc_trim"])
     report["table"] = table
     print()
     print(table)

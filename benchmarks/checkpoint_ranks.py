@@ -124,12 +124,12 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
     # Names in the order the optimizer numbers its parameters (flatshard's state is keyed by that index).
     info["param_names"] = [n for n, _ in model.named_parameters()] if rank == 0 else None
 
-    # One training step so that AdamW has state.
-    (idx, tgt), *_ = make_batches(dict(cfg, warmup=0, steps=1), rank, world_size, device)
-    loss = F.cross_entropy(model(idx).view(-1, cfg["vocab_size"]), tgt.view(-1))
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    # The user's sequence: training steps, then the first gather at once (nothing in between).
+    for idx, tgt in make_batches(dict(cfg, warmup=0, steps=cfg["train_steps"]), rank, world_size, device):
+        loss = F.cross_entropy(model(idx).view(-1, cfg["vocab_size"]), tgt.view(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     loss = loss.detach()
     dist.all_reduce(loss)
     info["loss"] = loss.item() / world_size
@@ -143,9 +143,12 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
     info["memory_method"] = method
     info["setup_s"] = time.perf_counter() - t_setup
 
-    def measure() -> tuple[dict[str, Any], Any, Any]:
-        """One gather: time, VmHWM extra, and (rank 0) every rank's private memory and the node total."""
-        gc.collect()
+    def measure(first: bool = False) -> tuple[dict[str, Any], Any, Any]:
+        """One gather: time, VmHWM extra, and (rank 0) every rank's private memory and the node total. The
+        first follows training directly unless ``--malloc-trim`` (a labelled variant); warm repeats follow a
+        ``gc.collect()`` that frees the previous result."""
+        if not first:
+            gc.collect()
         malloc_trim(cfg["malloc_trim"])
         m: dict[str, Any] = {"smaps_private_before_mib": mib(smaps_private_kib())}
         poller = MemoryPoller(pids, cfg["shmem_base_kib"]) if rank == 0 else contextlib.nullcontext()
@@ -160,7 +163,7 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
             m.update(poller.result())
         return m, msd, osd
 
-    cold, msd, osd = measure()  # nothing gathered before it in this process group
+    cold, msd, osd = measure(first=True)  # right after training, nothing gathered before it
     info["cold"] = cold
     del msd, osd
     for _ in range(cfg["warmup"]):  # untimed
