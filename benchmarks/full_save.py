@@ -12,6 +12,13 @@ the model and optimizer state, as its users write one:
   then ``torch.save`` on rank 0; resume: ``torch.load(mmap=True)`` on every rank and ``set_state_dict``.
 - ``ddp``: ``torch.save`` of the replica's ``state_dict()`` and the optimizer's on rank 0; resume: ``torch.load``
   on every rank and ``load_state_dict``.
+- ``flatshard_trainer``: the same GPT in a LightningModule, trained by ``Trainer(strategy=FlatShardStrategy(...))``
+  for the same steps, then ``trainer.save_checkpoint(path)`` (streamed: see [Note: streamed Trainer saves]); resume:
+  ``flatshard.load_checkpoint`` of that file into a fresh sharded LightningModule (the loader
+  ``fit(ckpt_path=...)`` uses). Its keys carry the module's prefix ``gpt.``; the check strips it.
+
+``--sizes 768x8,1024x12,1280x16`` runs every contender for each ``d_model x n_layer`` (the preset's other fields
+kept) and plots rank 0's write peak against the model's size (``full_save_sizes.png``).
 
 Measured: every rank's private memory (``RssAnon + RssFile``), polled every 5 ms by rank 0, during training (the
 training peak), during the save (rank 0's write peak) and, in a second set of fresh processes, during the load
@@ -20,6 +27,7 @@ flatshard's (same tensors to 1e-5) before anything is compared.
 
     python benchmarks/full_save.py --preset cpu-large
     python benchmarks/full_save.py --preset cpu-large --d-model 1536 --n-layer 16 --n-head 16
+    python benchmarks/full_save.py --preset cpu-large --sizes 768x8,1024x12,1280x16
 
 Writes ``docs/bench/full_save_<preset>.json`` and ``.png``.
 """
@@ -40,7 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from bench_contenders import spawn_ranks, wrap_contender
 from bench_measure import MemoryPoller, shmem_kib
-from bench_model import MODEL_FIELDS, PRESETS, build_model, make_batches
+from bench_model import MODEL_FIELDS, PRESETS, Block, build_model, make_batches
 from bench_output import (
     default_out,
     failed_row,
@@ -52,11 +60,43 @@ from bench_output import (
     utc_now,
     write_json,
 )
+from torch.utils.data import DataLoader
 
-CONTENDERS = ("flatshard", "flatshard_dict", "fsdp2", "ddp")
+CONTENDERS = ("flatshard", "flatshard_trainer", "flatshard_dict", "fsdp2", "ddp")
+TRAINER_PREFIX = "gpt."  # the LightningModule holds the GPT as ``self.gpt``
+
+
+def _lit_gpt(cfg: dict[str, Any]) -> Any:
+    """The benchmark GPT in a LightningModule (imported here: Lightning is needed by this contender only)."""
+    import lightning as L
+
+    class LitGPT(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = build_model(cfg)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            idx, tgt = batch
+            return F.cross_entropy(self.gpt(idx).view(-1, cfg["vocab_size"]), tgt.view(-1))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    return LitGPT()
+
+
+def _trainer_strategy() -> Any:
+    import flatshard
+
+    return flatshard.FlatShardStrategy(auto_wrap_policy={Block}, backward_prefetch="BACKWARD_PRE")
 
 
 def _wrapped(name: str, cfg: dict[str, Any], rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    if name == "flatshard_trainer":  # resumed: a fresh LightningModule sharded as the strategy shards it
+        import flatshard
+
+        lit = flatshard.shard(_lit_gpt(cfg), auto_wrap_policy={Block})
+        return lit, torch.optim.AdamW(lit.parameters(), lr=1e-4)
     model = build_model(cfg)
     base = "flatshard" if name.startswith("flatshard") else name
     model = wrap_contender(base, model, cfg, rank, torch.device("cpu"), {})
@@ -122,9 +162,41 @@ def _pids(world: int) -> list[int]:
     return pids
 
 
+def _train_and_save_with_trainer(
+    rank: int, world: int, cfg: dict[str, Any], path: str, pids: list[int], shmem: int
+) -> dict[str, Any]:
+    import lightning as L
+
+    batches = make_batches(cfg, rank, world, torch.device("cpu"))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=_trainer_strategy(),
+        max_steps=cfg["steps"],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,  # the batches are this rank's already
+    )
+    out: dict[str, Any] = {}
+    with MemoryPoller(pids if rank == 0 else [], shmem) as training:
+        trainer.fit(_lit_gpt(cfg), DataLoader(batches, batch_size=None))  # this rank's batches, in order
+    with MemoryPoller(pids if rank == 0 else [], shmem) as saving:
+        start = time.perf_counter()
+        trainer.save_checkpoint(path)
+        out["save_s"] = time.perf_counter() - start
+    if rank == 0:
+        out["training"], out["saving"] = training.result(), saving.result()
+    return out
+
+
 def train_and_save(rank: int, world: int, name: str, cfg: dict[str, Any], path: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     pids, shmem = _pids(world), shmem_kib()
+    if name == "flatshard_trainer":
+        return _train_and_save_with_trainer(rank, world, cfg, path, pids, shmem)
     model, opt = _wrapped(name, cfg, rank)
     batches = make_batches(cfg, rank, world, torch.device("cpu"))
     out: dict[str, Any] = {}
@@ -166,8 +238,11 @@ def resume(rank: int, world: int, name: str, cfg: dict[str, Any], path: str) -> 
 def _same_file(path: str, reference: str) -> str | None:
     """Where a contender's file differs from flatshard's (same tensors to 1e-5), or ``None``."""
     mine, theirs = (torch.load(p, mmap=True, weights_only=True) for p in (path, reference))
+    state = {k.removeprefix(TRAINER_PREFIX): v for k, v in mine["state_dict"].items()}
+    if sorted(state) != sorted(theirs["state_dict"]):
+        return "state_dict keys"
     for key, value in theirs["state_dict"].items():
-        if not torch.allclose(mine["state_dict"][key].float(), value.float(), atol=1e-5, rtol=1e-5):
+        if not torch.allclose(state[key].float(), value.float(), atol=1e-5, rtol=1e-5):
             return f"state_dict[{key!r}]"
 
     # Positions in the optimizer's parameter order: flatshard's and DDP's states are keyed by index, FSDP2's by name.
@@ -222,6 +297,50 @@ def run(cfg: dict[str, Any], contenders: list[str], folder: Path) -> dict[str, A
     return results
 
 
+def _table(results: dict[str, Any]) -> str:
+    rows: list[list[str]] = []
+    for name, r in results.items():
+        if "error" in r:
+            rows.append(failed_row(name, r))
+            continue
+        rows.append(
+            [
+                name,
+                fmt(r["rank0_training_peak_mib"], ".0f"),
+                fmt(r["rank0_write_peak_mib"], ".0f"),
+                fmt(r["rank0_write_peak_mib"] / r["rank0_training_peak_mib"], ".2f"),
+                fmt(r["write_s"], ".2f"),
+                " / ".join(fmt(x, ".0f") for x in r["load_increase_mib"]),
+                fmt(max(r["load_increase_mib"]) / r["file_mib"], ".2f"),
+                fmt(r["load_s"], ".2f"),
+                fmt(r["file_mib"], ".0f"),
+                str(r.get("differs_from_flatshard") or "same"),
+            ]
+        )
+    return markdown_table(
+        [
+            "contender",
+            "rank-0 training peak MiB",
+            "rank-0 write peak MiB",
+            "write ÷ training peak",
+            "write s",
+            "load: increase MiB per rank",
+            "largest increase ÷ file",
+            "load s",
+            "file MiB",
+            "file vs flatshard's",
+        ],
+        rows,
+    )
+
+
+def _sizes(text: str) -> list[tuple[int, int]]:
+    try:
+        return [(int(d), int(n)) for d, n in (part.split("x") for part in text.split(",") if part)]
+    except ValueError:
+        raise SystemExit(f"--sizes takes D_MODELxN_LAYER[,...], e.g. 768x8,1024x12; got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu-large")
@@ -230,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=6, help="training steps before the save")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--sizes", default=None, help="D_MODELxN_LAYER list: one run per size, and a plot of them")
     p.add_argument(
         "--folder", type=Path, default=None, help="where the files go (default: a temporary folder)"
     )
@@ -252,65 +372,71 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(contenders) - set(CONTENDERS)
     if unknown:
         raise SystemExit(f"unknown contenders {sorted(unknown)}; choose from {', '.join(CONTENDERS)}")
-    with tempfile.TemporaryDirectory(dir=args.folder) as folder:
-        results = run(cfg, contenders, Path(folder))
-    params = sum(p.numel() for p in build_model(cfg).parameters())
-    rows: list[list[str]] = []
-    for name, r in results.items():
-        if "error" in r:
-            rows.append(failed_row(name, r))
-            continue
-        rows.append(
-            [
-                name,
-                fmt(r["rank0_training_peak_mib"], ".0f"),
-                fmt(r["rank0_write_peak_mib"], ".0f"),
-                fmt(r["rank0_write_peak_mib"] / r["rank0_training_peak_mib"], ".2f"),
-                fmt(r["write_s"], ".2f"),
-                " / ".join(fmt(x, ".0f") for x in r["load_increase_mib"]),
-                fmt(max(r["load_increase_mib"]) / r["file_mib"], ".2f"),
-                fmt(r["load_s"], ".2f"),
-                fmt(r["file_mib"], ".0f"),
-                str(r.get("differs_from_flatshard") or "same"),
-            ]
+    sizes = _sizes(args.sizes) if args.sizes else [(cfg["d_model"], cfg["n_layer"])]
+    runs: list[dict[str, Any]] = []
+    for d_model, n_layer in sizes:
+        size_cfg = dict(cfg, d_model=d_model, n_layer=n_layer)
+        with tempfile.TemporaryDirectory(dir=args.folder) as folder:
+            results = run(size_cfg, contenders, Path(folder))
+        params = sum(p.numel() for p in build_model(size_cfg).parameters())
+        print(
+            f"\n{params / 1e6:.0f}M parameters, {cfg['world_size']} ranks, {cfg['steps']} steps before the save\n"
         )
-    table = markdown_table(
-        [
-            "contender",
-            "rank-0 training peak MiB",
-            "rank-0 write peak MiB",
-            "write ÷ training peak",
-            "write s",
-            "load: increase MiB per rank",
-            "largest increase ÷ file",
-            "load s",
-            "file MiB",
-            "file vs flatshard's",
-        ],
-        rows,
-    )
-    print(
-        f"\n{params / 1e6:.0f}M parameters, {cfg['world_size']} ranks, {cfg['steps']} steps before the save\n"
-    )
-    print(table)
-    out = args.out or default_out(f"full_save_{args.preset}.json")
+        print(_table(results))
+        runs.append({"config": {**size_cfg, "parameters": params}, "results": results})
+    name = "full_save_sizes" if args.sizes else f"full_save_{args.preset}"
+    out = args.out or default_out(f"{name}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = {
+    report: dict[str, Any] = {
         "benchmark": "full_save",
         "date": utc_now(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine_info(cfg),
-        "config": {**cfg, "parameters": params},
-        "results": results,
     }
+    report.update({"runs": runs} if args.sizes else runs[0])
     write_json(out, report)
-    _plot(
-        results,
-        out.with_suffix(".png"),
-        f"Full checkpoint, {params / 1e6:.0f}M GPT + AdamW, {cfg['world_size']} ranks",
-    )
+    if args.sizes:
+        _plot_sizes(
+            runs,
+            out.with_suffix(".png"),
+            f"Full checkpoint write peak by model size, {cfg['world_size']} ranks",
+        )
+    else:
+        params = runs[0]["config"]["parameters"]
+        _plot(
+            runs[0]["results"],
+            out.with_suffix(".png"),
+            f"Full checkpoint, {params / 1e6:.0f}M GPT + AdamW, {cfg['world_size']} ranks",
+        )
     print(f"wrote {out}")
     return 0
+
+
+def _plot_sizes(runs: list[dict[str, Any]], path: Path, title: str) -> None:
+    try:
+        plt = pyplot()
+    except ImportError:
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [
+        n for n in runs[0]["results"] if all("error" not in r["results"].get(n, {"error": 1}) for r in runs)
+    ]
+    params = [r["config"]["parameters"] / 1e6 for r in runs]
+    for name in names:
+        write = [r["results"][name]["rank0_write_peak_mib"] for r in runs]
+        extra = [
+            r["results"][name]["rank0_write_peak_mib"] - r["results"][name]["rank0_training_peak_mib"]
+            for r in runs
+        ]
+        left.plot(params, write, marker="o", label=name)
+        right.plot(params, extra, marker="o", label=name)
+    left.set_xlabel("parameters (M)")
+    left.set_ylabel("rank-0 write peak, MiB")
+    right.set_xlabel("parameters (M)")
+    right.set_ylabel("write peak - training peak, MiB")
+    right.axhline(0, color="grey", linewidth=0.5)
+    left.legend()
+    save_figure(fig, path, title)
 
 
 def _plot(results: dict[str, Any], path: Path, title: str) -> None:
