@@ -276,6 +276,9 @@ WIDE = 1024  # Linear units of 4 MiB, 12 MiB with AdamW's two states
 
 def _streamed_upload(rank: int, world: int, url: str, cwd: str, layers: int) -> dict[str, Any]:
     os.chdir(cwd)
+    # s3fs's part size, as FSSPEC_S3_DEFAULT_BLOCK_SIZE would set it (set here: ranks may be forked from a
+    # process that read the environment before this test)
+    fsspec.config.conf.setdefault("s3", {})["default_block_size"] = 5 << 20
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = flatshard.shard(
@@ -299,14 +302,10 @@ def _streamed_upload(rank: int, world: int, url: str, cwd: str, layers: int) -> 
 
 
 @pytest.mark.timeout(180)
-def test_a_streamed_full_save_uploads_in_parts_as_it_is_written(
-    s3_url: str, local_cwd: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_streamed_full_save_uploads_in_parts_as_it_is_written(s3_url: str, local_cwd: Path) -> None:
     """The file goes up as a multipart upload, a part at a time while the units are gathered (s3fs's block size,
     5 MiB here), committed only when complete: the writing rank's memory is a unit and a few parts, the same for
     a file twice as large, never the file."""
-    monkeypatch.setenv("FSSPEC_S3_DEFAULT_BLOCK_SIZE", str(5 << 20))
-    fsspec.config.set_conf_env(fsspec.config.conf)  # this process reads the variable as its ranks will
     growth, sizes = [], []
     for layers in (6, 12):
         url = f"{s3_url}/full-{layers}.ckpt"

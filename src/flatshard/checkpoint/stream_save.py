@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -29,7 +29,7 @@ import torch.nn as nn
 from flatshard.checkpoint.files import atomic_write, refuse_directory, refuse_pieces
 from flatshard.checkpoint.save_round import SaveRound, gather_for_save
 from flatshard.checkpoint.storage import Remote, locate_checked
-from flatshard.checkpoint.stream_file import StreamedTorchFile
+from flatshard.checkpoint.stream_file import StreamedTorchFile, TensorRecord
 from flatshard.engine import FullStates, global_rank
 
 __all__ = ["ModelState", "OptimizerState", "save_full_streamed"]
@@ -37,9 +37,15 @@ __all__ = ["ModelState", "OptimizerState", "save_full_streamed"]
 
 @dataclass(frozen=True)
 class ModelState:
-    """In a checkpoint given to :func:`save_full_streamed`: ``module``'s full state dict, written as it streams."""
+    """In a checkpoint given to :func:`save_full_streamed`: ``module``'s full state dict, written as it streams.
+
+    ``keep(key, value)``, if given, selects the entries written (Fabric's ``save(..., filter=...)``): called on the
+    writing rank with each gathered tensor before it is written; a tensor no key of which is kept is not written.
+    Where no entry is kept, the marker's key is left out of the checkpoint, as Fabric leaves it out.
+    """
 
     module: nn.Module
+    keep: Callable[[str, Any], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,19 @@ def save_full_streamed(path: str | os.PathLike[str] | Remote, checkpoint: Mappin
     return location if isinstance(location, Path) else location.url
 
 
+def _kept(
+    state: dict[str, Any], keep: Callable[[str, Any], bool] | None, left_out: set[str]
+) -> dict[str, Any] | None:
+    """A marker's state as its filter selects it (entries not gathered, such as buffers, are asked here);
+    ``None`` where it keeps nothing."""
+    if keep is None:
+        return state
+    out = {
+        k: v for k, v in state.items() if k not in left_out and (isinstance(v, TensorRecord) or keep(k, v))
+    }
+    return out or None
+
+
 def _streamed(value: Any) -> bool:
     return isinstance(value, (ModelState, OptimizerState))
 
@@ -82,13 +101,23 @@ def _stream(
     the gathering: the peers are in those collectives, so rank 0 raises only once they are all done."""
     writer: StreamedTorchFile | None = None
     failure: list[BaseException] = []
+    keeps = [getattr(m, "keep", None) for m in markers]
+    dropped: list[set[str]] = [set() for _ in markers]  # per marker: keys its filter left out
 
-    def consume(t: torch.Tensor) -> Any:
+    def consume(t: torch.Tensor, target: int, keys: tuple[str, ...]) -> Any:
         if writer is None or failure:
             return None
         try:
+            keep = keeps[target]
+            if keep is not None and keys:
+                left_out = {k for k in keys if not keep(k, t)}
+                dropped[target] |= left_out
+                if len(left_out) == len(keys):
+                    return None  # no key of it is kept: not written
             return writer.tensor(t)
-        except Exception as err:
+        except (
+            Exception
+        ) as err:  # a filter that raises, or a failed write: the save fails once all gathers end
             failure.append(err)
             return None
 
@@ -103,13 +132,20 @@ def _stream(
             raise failure[0]
         if writer is None:
             return
-        by_marker = {id(m): state for m, state in zip(markers, built, strict=True)}
+        by_marker = {
+            id(m): _kept(state, keep, left_out)
+            for m, state, keep, left_out in zip(markers, built, keeps, dropped, strict=True)
+        }
 
         def place(value: Any) -> Any:
             return by_marker[id(value)] if _streamed(value) else value
 
         writer.finish(
-            {k: [place(x) for x in v] if isinstance(v, list) else place(v) for k, v in checkpoint.items()}
+            {
+                k: [place(x) for x in v] if isinstance(v, list) else place(v)
+                for k, v in checkpoint.items()
+                if not (_streamed(v) and by_marker[id(v)] is None)  # a filter kept nothing of it
+            }
         )
     finally:
         if writer is not None:

@@ -10,7 +10,7 @@ directory of per-rank pieces.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -67,6 +67,8 @@ if TYPE_CHECKING:
 __all__ = ["FlatShardFabricStrategy"]
 
 log = logging.getLogger(__name__)
+
+_LEFT_OUT = object()  # a state entry whose filter kept nothing: not in the checkpoint (as Fabric does)
 
 _FABRIC_NAMES = "flatshard/fabric"  # which state entries held the module and the optimizers
 
@@ -298,10 +300,12 @@ class FlatShardFabricStrategy(ShellMembers, ParallelStrategy):
             checkpoint, names = self._sharded_checkpoint(state)
             self._core.write(checkpoint, path, names)
             return
-        if (
-            not filter and self._core.async_saver is None
+        filters = filter or {}
+        if self._core.async_saver is None and not any(
+            isinstance(state.get(key), Optimizer) for key in filters
         ):  # written as it is gathered: [Note: streamed full saves]
-            save_full_streamed(path, {key: self._streamed_entry(obj) for key, obj in state.items()})
+            entries = {key: self._streamed_entry(obj, filters.get(key)) for key, obj in state.items()}
+            save_full_streamed(path, {key: e for key, e in entries.items() if e is not _LEFT_OUT})
             self.barrier()
             return
         with gather_for_save(locate(path)):  # a rank that dies meanwhile is named on the others
@@ -309,16 +313,23 @@ class FlatShardFabricStrategy(ShellMembers, ParallelStrategy):
         self._core.write(converted, path)  # rank 0 writes; every rank raises if that failed
         self.barrier()
 
-    def _streamed_entry(self, obj: Any) -> Any:
+    def _streamed_entry(self, obj: Any, keep: Callable[[str, Any], bool] | None = None) -> Any:
         """What a ``fabric.save`` state entry becomes in a streamed full save: the full state of a sharded module
-        or of an optimizer over one, ``state_dict()`` of any other stateful object, else the value itself."""
-        if isinstance(obj, Module):
-            return ModelState(obj) if is_sharded(obj) else obj.state_dict()
+        or of an optimizer over one, ``state_dict()`` of any other stateful object, else the value itself.
+
+        ``keep`` is the entry's ``filter``: for a sharded module it selects the tensors as they are gathered;
+        otherwise it selects the entries of a dict as Fabric's own save does (the entry is left out where none
+        is kept). A filter on an optimizer's state is applied by the non-streamed path."""
+        if isinstance(obj, Module) and is_sharded(obj):
+            return ModelState(obj, keep)
         if isinstance(obj, Optimizer):
             return OptimizerState(self._owner(obj), obj)
-        if isinstance(obj, _Stateful):
-            return obj.state_dict()
-        return obj
+        if isinstance(obj, Module | _Stateful):
+            obj = obj.state_dict()
+        if keep is None or not isinstance(obj, dict):
+            return obj
+        kept = {k: v for k, v in obj.items() if keep(k, v)}
+        return kept if kept else _LEFT_OUT
 
     @override
     def load_checkpoint(

@@ -103,6 +103,9 @@ def plan_full_model_state_dict(
     """
     states = prepare_for_state_io(module, "get_state_dict", reading=True)
     handles = [h for s in states for h in s.handles]
+    keys: dict[int, list[str]] = {}  # id(parameter) -> its state-dict keys (a tied weight has several)
+    for key, value in module.state_dict(keep_vars=True).items():
+        keys.setdefault(id(value), []).append(key)
     items = [
         GatherItem(
             group=h.shard_group,
@@ -112,6 +115,7 @@ def plan_full_model_state_dict(
             wanted=list(range(len(h.params))),
             pieces=_saved_pieces(h),
             out_device=torch.device("cpu") if to_cpu else h.sharded.device,
+            labels={i: tuple(keys.get(id(p), ())) for i, p in enumerate(h.params)},
         )
         for h in handles
     ]

@@ -192,8 +192,10 @@ class FullStates:
 
     Built on every rank (collective: the ranks agree on the optimizer states' metadata); :meth:`gather` then moves
     one unit's parameters and optimizer states at a time and hands each gathered tensor, on the keeping rank, to
-    ``consume``, whose result takes the tensor's place in the states returned (see [Note: streamed full saves]
-    in ``flatshard.checkpoint.stream_save``). The tensor is dropped after ``consume`` returns.
+    ``consume(tensor, target, keys)`` (``target``: its index in ``targets``; ``keys``: the state-dict keys a
+    module's tensor goes under, empty for optimizer state), whose result takes the tensor's place in the states
+    returned (see [Note: streamed full saves] in ``flatshard.checkpoint.stream_save``). The tensor is dropped
+    after ``consume`` returns.
 
     Args:
         targets: per state, ``(module, None)`` for the module's full state dict or ``(module, optimizer)`` for the
@@ -210,13 +212,15 @@ class FullStates:
             for module, optimizer in targets
         ]
 
-    def gather(self, consume: Callable[[torch.Tensor], Any]) -> list[dict[str, Any]]:
+    def gather(self, consume: Callable[[torch.Tensor, int, tuple[str, ...]], Any]) -> list[dict[str, Any]]:
         """Every rank calls; returns the states (empty dicts where not kept), in ``targets`` order."""
         items = [item for plan_items, _ in self._plans for item in plan_items]
+        owner = [target for target, (plan_items, _) in enumerate(self._plans) for _ in plan_items]
         results: list[dict[int, Any]] = [{} for _ in items]
 
         def take(i: int, tensors: dict[int, torch.Tensor]) -> None:
-            results[i] = {pos: consume(t) for pos, t in tensors.items()}
+            labels = items[i].labels
+            results[i] = {pos: consume(t, owner[i], labels.get(pos, ())) for pos, t in tensors.items()}
 
         gather_by_unit(items, self.keep, take)
         built = []

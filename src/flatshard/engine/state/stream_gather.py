@@ -281,6 +281,8 @@ class GatherItem:
     wanted: list[int]  # indices (in ``layout``) of the tensors the keepers get back
     pieces: list[Piece] = field(default_factory=list)  # this rank's shard, by offset
     out_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # per index in ``layout``: the state-dict keys its tensor goes under (a model's items; empty otherwise)
+    labels: dict[int, tuple[str, ...]] = field(default_factory=dict)
 
 
 def gather_items(
