@@ -12,6 +12,8 @@ the model and optimizer state, as its users write one:
   then ``torch.save`` on rank 0; resume: ``torch.load(mmap=True)`` on every rank and ``set_state_dict``.
 - ``ddp``: ``torch.save`` of the replica's ``state_dict()`` and the optimizer's on rank 0; resume: ``torch.load``
   on every rank and ``load_state_dict``.
+- ``ddp_fsync`` (a labelled extra row): ``ddp`` followed by ``os.fsync`` of the file, the durability flatshard's
+  saves give (they fsync, then rename): the like-for-like write time.
 - ``flatshard_trainer``: the same GPT in a LightningModule, trained by ``Trainer(strategy=FlatShardStrategy(...))``
   for the same steps, then ``trainer.save_checkpoint(path)`` (streamed: see [Note: streamed Trainer saves]); resume:
   ``flatshard.load_checkpoint`` of that file into a fresh sharded LightningModule (the loader
@@ -62,7 +64,7 @@ from bench_output import (
 )
 from torch.utils.data import DataLoader
 
-CONTENDERS = ("flatshard", "flatshard_trainer", "flatshard_dict", "fsdp2", "ddp")
+CONTENDERS = ("flatshard", "flatshard_trainer", "flatshard_dict", "fsdp2", "ddp", "ddp_fsync")
 TRAINER_PREFIX = "gpt."  # the LightningModule holds the GPT as ``self.gpt``
 
 
@@ -98,7 +100,7 @@ def _wrapped(name: str, cfg: dict[str, Any], rank: int) -> tuple[torch.nn.Module
         lit = flatshard.shard(_lit_gpt(cfg), auto_wrap_policy={Block})
         return lit, torch.optim.AdamW(lit.parameters(), lr=1e-4)
     model = build_model(cfg)
-    base = "flatshard" if name.startswith("flatshard") else name
+    base = "flatshard" if name.startswith("flatshard") else name.removesuffix("_fsync")
     model = wrap_contender(base, model, cfg, rank, torch.device("cpu"), {})
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -128,6 +130,12 @@ def _save(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, path: s
             torch.save(
                 {"state_dict": model.module.state_dict(), "optimizer_states": [opt.state_dict()]}, path
             )
+            if name == "ddp_fsync":  # durable, as flatshard's save is
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
     dist.barrier()
 
 
