@@ -70,6 +70,11 @@ from flatshard.engine.state.state_dict import FullStates, get_state_dict, optimi
 from flatshard.engine.state.unshard_params import unshard_params
 from flatshard.engine.step.clip import clip_grad_norm_, clip_grad_norm_params_
 from flatshard.engine.step.ema import EMA, check_decay
+from flatshard.engine.step.whole_tensor import (
+    is_whole_tensor_optimizer,
+    register_whole_tensor_optimizer,
+    whole_tensor_classes,
+)
 from flatshard.engine.transport.comm import global_rank, uses_nccl
 from flatshard.engine.transport.processes import ProcessId
 from flatshard.engine.transport.watchdog import DesyncError, wait_collective
@@ -107,6 +112,7 @@ __all__ = [
     "global_rank",
     "is_forward_method",
     "is_sharded",
+    "is_whole_tensor_optimizer",
     "join",
     "load_converted_optim_state",
     "load_full_model_state_dict",
@@ -122,6 +128,7 @@ __all__ = [
     "regather_in_forward",
     "register_forward_method",
     "register_generate",
+    "register_whole_tensor_optimizer",
     "saved_piece",
     "set_state_dict",
     "shard",
@@ -134,4 +141,5 @@ __all__ = [
     "unshard_params",
     "uses_nccl",
     "wait_collective",
+    "whole_tensor_classes",
 ]

@@ -2,4 +2,5 @@
 
 - ``clip``: the gradient norm over every rank's gradient shards, and clipping by it.
 - ``ema``: an exponential moving average of the weights, kept as pieces of each rank's shard.
+- ``whole_tensor``: optimizers that need each parameter whole (Muon), run on the parameter's owner rank.
 """

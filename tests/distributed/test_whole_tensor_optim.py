@@ -1,0 +1,136 @@
+"""Optimizers that need each parameter whole (see [Note: whole-tensor optimizers]): torch's Muon on the matrices and
+AdamW on the rest train a sharded model as they train the unsharded one on the global batch (weights and losses),
+on 2 and 3 ranks, FULL_SHARD and SHARD_GRAD_OP, with and without a closure, the optimizer built before ``shard()``
+or after it inside ``original_shapes``; each rank keeps Muon's state only for the matrices it owns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+import flatshard
+from flatshard.testing import spawn
+
+pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon (torch >= 2.9)")
+
+STEPS, PER_RANK = 3, 4
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 40),
+        nn.Tanh(),
+        nn.Linear(40, 24),
+        nn.Tanh(),
+        nn.Linear(24, 24),
+        nn.Tanh(),
+        nn.Linear(24, 8),
+    )
+
+
+def _optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    rest = [p for p in model.parameters() if p.ndim != 2]
+    return [torch.optim.Muon(matrices, lr=0.02, weight_decay=0.01), torch.optim.AdamW(rest, lr=1e-2)]
+
+
+def _batch(step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(PER_RANK * world, 16, generator=g), torch.randn(PER_RANK * world, 8, generator=g)
+
+
+def _train(
+    model: nn.Module, optimizers: list[torch.optim.Optimizer], rank: int, world: int, closure: bool
+) -> list[float]:
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step, world)
+        x, y = x[rank * PER_RANK : (rank + 1) * PER_RANK], y[rank * PER_RANK : (rank + 1) * PER_RANK]
+
+        def compute(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            loss = (model(x) - y).pow(2).mean()
+            loss.backward()
+            return loss
+
+        if closure:  # the first optimizer runs forward and backward inside its step
+            loss = optimizers[0].step(compute)
+            optimizers[1].step()
+        else:
+            loss = compute()
+            for opt in optimizers:
+                opt.step()
+        for opt in optimizers:
+            opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _reference(world: int, closure: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = _model()
+    losses = _train(model, _optimizers(model), 0, 1, closure) if world == 1 else []
+    if world > 1:  # the whole global batch on one process, per step
+        optimizers = _optimizers(model)
+        for step in range(STEPS):
+            x, y = _batch(step, world)
+            loss = (model(x) - y).pow(2).mean()
+            loss.backward()
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad()
+            losses.append(float(loss.detach()))
+    return model.state_dict(), losses
+
+
+def _run(rank: int, world: int, strategy: str, closure: bool, built: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    model = _model()
+    if built == "before":  # the optimizers hold the Parameter objects shard() keeps
+        optimizers = _optimizers(model)
+        flatshard.shard(model, auto_wrap_policy={nn.Linear}, sharding_strategy=strategy)
+    else:
+        flatshard.shard(model, auto_wrap_policy={nn.Linear}, sharding_strategy=strategy)
+        with flatshard.original_shapes(model):  # Muon checks p.ndim == 2 when it is built
+            optimizers = _optimizers(model)
+    losses = _train(model, optimizers, rank, world, closure)
+    muon_state = [tuple(st["momentum_buffer"].shape) for st in optimizers[0].state.values() if st]
+    state, _ = flatshard.get_state_dict(model, None)
+    return {
+        "losses": losses,
+        "state": state,
+        "muon_state": muon_state,
+        "piece_shapes": [tuple(p.shape) for p in model.parameters()],
+    }
+
+
+@pytest.mark.parametrize(
+    ("world", "strategy", "closure", "built"),
+    [
+        (2, "FULL_SHARD", False, "before"),
+        (2, "FULL_SHARD", True, "original_shapes"),
+        (3, "FULL_SHARD", False, "original_shapes"),
+        (2, "SHARD_GRAD_OP", True, "before"),
+    ],
+)
+def test_muon_trains_a_sharded_model_as_the_unsharded_one(
+    world: int, strategy: str, closure: bool, built: str
+) -> None:
+    ranks = spawn(_run, world, strategy, closure, built)
+    expected, ref_losses = _reference(world, closure=False)
+    state = ranks[0]["state"]
+    assert sorted(state) == sorted(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    # every rank's mean loss over its slice; their mean is the global batch's loss
+    mean = [sum(r["losses"][i] for r in ranks) / world for i in range(STEPS)]
+    for got, want in zip(mean, ref_losses, strict=True):
+        assert abs(got - want) < 1e-5 * max(1.0, abs(want)), (mean, ref_losses)
+    # Muon's state is whole, and each matrix's is on one rank only: sharded by ownership
+    owned = [shape for r in ranks for shape in r["muon_state"]]
+    assert sorted(owned) == sorted(tuple(v.shape) for v in expected.values() if v.ndim == 2)
+    assert all(r["muon_state"] for r in ranks[:2])  # the work is shared
+    # between steps every parameter is a 1-D piece again
+    assert all(len(shape) == 1 for r in ranks for shape in r["piece_shapes"])
