@@ -5,6 +5,7 @@ or after it inside ``original_shapes``; each rank keeps Muon's state only for th
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -134,3 +135,60 @@ def test_muon_trains_a_sharded_model_as_the_unsharded_one(
     assert all(r["muon_state"] for r in ranks[:2])  # the work is shared
     # between steps every parameter is a 1-D piece again
     assert all(len(shape) == 1 for r in ranks for shape in r["piece_shapes"])
+
+
+# ------------------------------------------------------------------------------------- checkpoints
+def _save_after(rank: int, world: int, folder: str) -> None:
+    torch.set_num_threads(1)
+    model = _model()
+    optimizers = _optimizers(model)
+    flatshard.shard(model, auto_wrap_policy={nn.Linear})
+    _train(model, optimizers, rank, world, closure=False)
+    for kind in ("full", "sharded"):
+        for k, opt in enumerate(optimizers):  # one checkpoint per optimizer: the plain API takes one list
+            flatshard.save_checkpoint(f"{folder}/{kind}-{k}.ckpt", model, opt, state_dict_type=kind)
+
+
+def _resume(rank: int, world: int, folder: str, kind: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    torch.manual_seed(7)  # other initial weights: everything comes from the checkpoints
+    model = nn.Sequential(*[m for m in _model()])
+    optimizers = _optimizers(model)
+    flatshard.shard(model, auto_wrap_policy={nn.Linear})
+    for k, opt in enumerate(optimizers):
+        flatshard.load_checkpoint(f"{folder}/{kind}-{k}.ckpt", model, opt)
+    x, y = _batch(STEPS, world)  # one more step on the next global batch
+    loss = (
+        model(x[rank * PER_RANK : (rank + 1) * PER_RANK]) - y[rank * PER_RANK : (rank + 1) * PER_RANK]
+    ).pow(2)
+    loss.mean().backward()
+    for opt in optimizers:
+        opt.step()
+    state, _ = flatshard.get_state_dict(model, None)
+    return {"state": state}
+
+
+def test_muon_state_saves_full_and_sharded_and_resumes_on_another_world_size(tmp_path: Any) -> None:
+    spawn(_save_after, 2, str(tmp_path))
+    # The reference: the unsharded model, the same steps on the global batches, one more after "resuming".
+    model = _model()
+    optimizers = _optimizers(model)
+    for step in range(STEPS + 1):
+        x, y = _batch(step, 2 if step < STEPS else 3)
+        (model(x) - y).pow(2).mean().backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        if step == STEPS - 1:
+            expected_muon = copy.deepcopy(optimizers[0].state_dict())  # before the next step changes it
+    # A full file holds Muon's state in the plain format, as the unsharded optimizer's.
+    full = torch.load(tmp_path / "full-0.ckpt", weights_only=True)["optimizer_states"][0]
+    assert sorted(full["state"]) == sorted(expected_muon["state"])
+    for idx, entries in expected_muon["state"].items():
+        torch.testing.assert_close(
+            full["state"][idx]["momentum_buffer"], entries["momentum_buffer"], rtol=1e-5, atol=1e-6
+        )
+    for kind in ("full", "sharded"):
+        state = spawn(_resume, 3, str(tmp_path), kind)[0]["state"]
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=f"{kind}: {key}")

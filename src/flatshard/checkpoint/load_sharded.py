@@ -25,6 +25,7 @@ from flatshard.checkpoint.validate import (
 )
 from flatshard.engine import (
     ParamShard,
+    finish_optimizer_load,
     local_param_targets,
     param_shard,
     parameter_names,
@@ -350,4 +351,5 @@ def load_sharded(
                 module, opt, {"state": state, "param_groups": groups[k]}, source=f"{path}", copy=False
             )
         )
+        finish_optimizer_load(opt)  # whole on the owners again: [Note: saving whole-tensor optimizer state]
     return extra

@@ -70,6 +70,7 @@ from flatshard.engine.state.state_dict import FullStates, get_state_dict, optimi
 from flatshard.engine.state.unshard_params import unshard_params
 from flatshard.engine.step.clip import clip_grad_norm_, clip_grad_norm_params_
 from flatshard.engine.step.ema import EMA, check_decay
+from flatshard.engine.step.whole_tensor import after_load as finish_optimizer_load
 from flatshard.engine.step.whole_tensor import (
     is_whole_tensor_optimizer,
     register_whole_tensor_optimizer,
@@ -105,6 +106,7 @@ __all__ = [
     "compile_units",
     "convert_full_optim_state_dict",
     "end_join",
+    "finish_optimizer_load",
     "forward_call",
     "full_model_state_dict",
     "full_optim_state_dict",

@@ -21,6 +21,7 @@ import torch.nn as nn
 from flatshard.engine.handle import FlatParamHandle, locate_params
 from flatshard.engine.state.full_model import copy_out, prepare_for_state_io
 from flatshard.engine.state.stream_gather import GatherItem, gather_items
+from flatshard.engine.step.whole_tensor import after_load, states_as_pieces
 from flatshard.engine.transport.comm import global_rank
 
 __all__ = [
@@ -64,7 +65,8 @@ def plan_full_optim_state_dict(
     prepare_for_state_io(module, "get_state_dict", reading=True)
     params = optimizer_params(optimizer)
     located = locate_params(params)
-    local = optimizer.state_dict()
+    with states_as_pieces(optimizer):  # see [Note: saving whole-tensor optimizer state]
+        local = optimizer.state_dict()
     # Metadata of sharded tensors: (idx, key) -> dtype, union over ranks (one object collective).
     meta: dict[tuple[int, str], torch.dtype] = {}
     for idx, (handle, i) in enumerate(located):
@@ -237,6 +239,7 @@ def load_converted_optim_state(
             if after_copy is not None:
                 after_copy(value)
     optimizer.load_state_dict(converted)
+    after_load(optimizer)  # see [Note: saving whole-tensor optimizer state]
 
 
 def _starts(sizes: list[int]) -> list[int]:
@@ -255,3 +258,4 @@ def load_full_optim_state_dict(
 ) -> None:
     """Load a full (plain-format) optimizer state: each rank keeps its slices. Validates first."""
     optimizer.load_state_dict(convert_full_optim_state_dict(module, optimizer, state_dict, source))
+    after_load(optimizer)

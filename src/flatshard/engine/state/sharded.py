@@ -26,6 +26,7 @@ from flatshard.engine.precision import original_buffer_dtypes
 from flatshard.engine.state.full_model import parameter_names, prepare_for_state_io
 from flatshard.engine.state.full_optim import optimizer_params
 from flatshard.engine.state.stand_ins import live_piece, saved_piece, saved_value
+from flatshard.engine.step.whole_tensor import states_as_pieces
 
 __all__ = [
     "ParamShard",
@@ -128,7 +129,8 @@ def sharded_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer
     prepare_for_state_io(module, "get_state_dict", reading=True)
     params = optimizer_params(optimizer)
     names = _optimizer_names(module, optimizer)
-    local = optimizer.state_dict()
+    with states_as_pieces(optimizer):  # see [Note: saving whole-tensor optimizer state]
+        local = optimizer.state_dict()
     state: dict[str, dict[str, Any]] = {}
     for idx, entries in local["state"].items():
         p, name = params[idx], names[idx]

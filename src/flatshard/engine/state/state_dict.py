@@ -23,6 +23,7 @@ from flatshard.engine.state.sharded import (
     to_local_optim_state,
 )
 from flatshard.engine.state.stream_gather import gather_by_unit, gather_items
+from flatshard.engine.step.whole_tensor import after_load
 from flatshard.engine.transport.comm import global_rank
 
 __all__ = ["FullStates", "get_state_dict", "optimizer_list", "set_state_dict"]
@@ -118,6 +119,7 @@ def set_state_dict(
         load_full_model_state_dict(module, model_state, strict=strict)
     for opt, st in zip(optimizers, local):
         opt.load_state_dict(st)
+        after_load(opt)  # see [Note: saving whole-tensor optimizer state]
 
 
 def optimizer_list(optimizer: OptimizerArg) -> list[torch.optim.Optimizer]:
@@ -185,6 +187,7 @@ def _set_sharded_state_dict(
             module.load_state_dict(local_model, strict=False)
     for opt, st in zip(optimizers, local_optim):
         opt.load_state_dict(st)
+        after_load(opt)  # see [Note: saving whole-tensor optimizer state]
 
 
 class FullStates:

@@ -36,7 +36,8 @@ of their own.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -47,7 +48,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from flatshard.engine.handle import FlatParamHandle, handle_of_param
 
-__all__ = ["is_whole_tensor_optimizer", "register_whole_tensor_optimizer", "whole_tensor_classes"]
+__all__ = [
+    "after_load",
+    "is_whole_tensor_optimizer",
+    "register_whole_tensor_optimizer",
+    "states_as_pieces",
+    "whole_tensor_classes",
+]
 
 _BUILTIN = tuple(
     c for c in (getattr(torch.optim, "Muon", None), getattr(torch.optim, "Adafactor", None)) if c
@@ -298,3 +305,171 @@ def managed_params(optimizer: torch.optim.Optimizer) -> Iterable[torch.nn.Parame
             handle = handle_of_param(p)
             if handle is not None and handle.shard_world > 1:
                 yield p
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checkpoints: the state as pieces while it is saved, whole again once it is loaded
+# ----------------------------------------------------------------------------------------------------------
+# [Note: saving whole-tensor optimizer state]
+# Between steps a whole-tensor optimizer's state for a sharded parameter is whole, on the parameter's owner only.
+# Every checkpoint path (full files, streamed or not, sharded directories, resharding on load) handles optimizer
+# state laid out like the parameters' pieces, as an elementwise optimizer keeps it. So while the state is read
+# for a save, each state tensor shaped like its parameter is cut into those pieces and sent to the ranks holding
+# them (one all-to-all per shard group); the owner's whole tensors are put back afterwards, unchanged. After a
+# load, the pieces every rank received go to the owners (one all-to-all) and are whole again. A checkpoint of
+# such an optimizer is therefore the one an elementwise optimizer's would be: the plain format in a full file,
+# DCP-native pieces in a directory, loadable on any world size and under DDP. State tensors of another shape
+# (Adafactor's row and column statistics) cannot be cut like the parameter: saving them is refused, naming them.
+
+
+def _state_plan(optimizer: torch.optim.Optimizer) -> _Plan | None:
+    if not is_whole_tensor_optimizer(optimizer):
+        return None
+    plan = _plan(optimizer)
+    if plan is not None and plan.active:
+        _restore(plan)
+    return plan
+
+
+@contextmanager
+def states_as_pieces(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Within the block the optimizer's state of its sharded parameters is in pieces on every rank (collective;
+    see [Note: saving whole-tensor optimizer state]). Tensors read inside stay valid after it."""
+    plan = _state_plan(optimizer)
+    if plan is None:
+        yield
+        return
+    stashed: dict[int, tuple[torch.nn.Parameter, dict[str, Any] | None]] = {}
+    for g in plan.groups:
+        meta: dict[int, dict[str, Any]] = {}
+        for n, q in enumerate(g.params):
+            state = optimizer.state.get(q.param) if q.owner == g.rank else None
+            if not state:
+                continue
+            entry: dict[str, Any] = {}
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.shape == q.shape and value.dim() > 0:
+                    entry[key] = ("piece", value.dtype)
+                elif isinstance(value, torch.Tensor) and value.dim() > 0:
+                    raise NotImplementedError(
+                        f"{type(optimizer).__name__}'s state {key!r} of a sharded parameter has shape "
+                        f"{tuple(value.shape)}, not the parameter's {tuple(q.shape)}: it cannot be saved in pieces "
+                        "yet. HINT: save without the optimizer's state (ModelCheckpoint(save_weights_only=True), or "
+                        "no optimizer in save_checkpoint), or use an optimizer whose state is shaped like its "
+                        "parameters (torch.optim.Muon)."
+                    )
+                else:
+                    entry[key] = ("value", value)
+            meta[n] = entry
+        merged: list[dict[int, dict[str, Any]]] = [{} for _ in range(g.world)]
+        dist.all_gather_object(merged, meta, group=g.group)
+        everyone = {n: e for part in merged for n, e in part.items()}
+        dtypes = sorted(
+            {kind[1] for e in everyone.values() for kind in e.values() if kind[0] == "piece"}, key=str
+        )
+        pieces: dict[tuple[int, str], torch.Tensor] = {}
+        for dtype in dtypes:
+            entries = [
+                (n, key)
+                for n, e in sorted(everyone.items())
+                for key, kind in sorted(e.items())
+                if kind[0] == "piece" and kind[1] == dtype
+            ]
+            send = [
+                optimizer.state[g.params[n].param][key]
+                .reshape(-1)[g.params[n].starts[d] : g.params[n].starts[d] + g.params[n].counts[d]]
+                .to(g.device)
+                for d in range(g.world)
+                for n, key in entries
+                if g.params[n].owner == g.rank
+            ]
+            in_splits = [
+                sum(g.params[n].counts[d] for n, _ in entries if g.params[n].owner == g.rank)
+                for d in range(g.world)
+            ]
+            out_splits = [
+                sum(g.params[n].counts[g.rank] for n, _ in entries if g.params[n].owner == s)
+                for s in range(g.world)
+            ]
+            flat_in = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=g.device)
+            flat_out = torch.empty(sum(out_splits), dtype=dtype, device=g.device)
+            dist.all_to_all_single(flat_out, flat_in, out_splits, in_splits, group=g.group)
+            pos = 0
+            for s in range(g.world):
+                for n, key in entries:
+                    if g.params[n].owner == s:
+                        count = g.params[n].counts[g.rank]
+                        shard_device = g.params[n].handle.sharded.device
+                        pieces[(n, key)] = flat_out[pos : pos + count].to(shard_device)
+                        pos += count
+        for n, e in everyone.items():
+            q = g.params[n]
+            stashed[id(q.param)] = (q.param, optimizer.state.get(q.param) if q.owner == g.rank else None)
+            optimizer.state[q.param] = {
+                key: pieces[(n, key)] if kind[0] == "piece" else kind[1] for key, kind in e.items()
+            }
+    try:
+        yield
+    finally:
+        for p, whole in stashed.values():
+            if whole is not None:
+                optimizer.state[p] = whole
+            else:
+                optimizer.state.pop(p, None)
+
+
+def after_load(optimizer: torch.optim.Optimizer) -> None:
+    """After a load put state in pieces into the optimizer on every rank: make it whole on the owners again
+    (collective; see [Note: saving whole-tensor optimizer state])."""
+    plan = _state_plan(optimizer)
+    if plan is None:
+        return
+    for g in plan.groups:
+        loaded = [(n, q) for n, q in enumerate(g.params) if optimizer.state.get(q.param)]
+        keys = {
+            n: sorted(
+                k for k, v in optimizer.state[q.param].items() if isinstance(v, torch.Tensor) and v.dim() > 0
+            )
+            for n, q in loaded
+        }
+        dtypes = sorted({optimizer.state[q.param][k].dtype for n, q in loaded for k in keys[n]}, key=str)
+        wholes: dict[tuple[int, str], torch.Tensor] = {}
+        for dtype in dtypes:
+            entries = [
+                (n, k) for n, q in loaded for k in keys[n] if optimizer.state[q.param][k].dtype == dtype
+            ]
+            send = [
+                optimizer.state[g.params[n].param][k].reshape(-1).to(g.device)
+                for d in range(g.world)
+                for n, k in entries
+                if g.params[n].owner == d
+            ]
+            in_splits = [
+                sum(g.params[n].counts[g.rank] for n, _ in entries if g.params[n].owner == d)
+                for d in range(g.world)
+            ]
+            out_splits = [
+                sum(g.params[n].counts[s] for n, _ in entries if g.params[n].owner == g.rank)
+                for s in range(g.world)
+            ]
+            flat_in = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=g.device)
+            flat_out = torch.empty(sum(out_splits), dtype=dtype, device=g.device)
+            dist.all_to_all_single(flat_out, flat_in, out_splits, in_splits, group=g.group)
+            for n, k in entries:
+                if g.params[n].owner == g.rank:
+                    wholes[(n, k)] = torch.empty(g.params[n].shape.numel(), dtype=dtype, device=g.device)
+            pos = 0
+            for s in range(g.world):
+                for n, k in entries:
+                    q = g.params[n]
+                    if q.owner == g.rank:
+                        count, at = q.counts[s], q.starts[s]
+                        wholes[(n, k)][at : at + count].copy_(flat_out[pos : pos + count])
+                        pos += count
+        for n, q in loaded:
+            if q.owner != g.rank:
+                del optimizer.state[q.param]
+                continue
+            state = optimizer.state[q.param]
+            for k in keys[n]:
+                state[k] = wholes[(n, k)].view(q.shape).to(q.handle.sharded.device)
