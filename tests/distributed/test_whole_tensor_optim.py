@@ -192,3 +192,72 @@ def test_muon_state_saves_full_and_sharded_and_resumes_on_another_world_size(tmp
         state = spawn(_resume, 3, str(tmp_path), kind)[0]["state"]
         for key, value in model.state_dict().items():
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=f"{kind}: {key}")
+
+
+# ------------------------------------------------------------------------------------- other optimizers
+class RowNormSGD(torch.optim.Optimizer):
+    """A toy optimizer that needs whole matrices: each row's step is the row of the gradient scaled to unit norm."""
+
+    def __init__(self, params: Any, lr: float = 0.05) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    g = p.grad if p.grad.dim() > 1 else p.grad.unsqueeze(0)
+                    p.add_((g / g.norm(dim=-1, keepdim=True).clamp(min=1e-12)).view_as(p), alpha=-group["lr"])
+        return None
+
+
+def _other(rank: int, world: int, name: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    model = _model()
+    optimizer: torch.optim.Optimizer = (
+        RowNormSGD(model.parameters())
+        if name == "rownorm"
+        else torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    )
+    extra = {"whole_tensor_optimizers": [f"{__name__}.RowNormSGD"]} if name == "rownorm" else {}
+    flatshard.shard(model, auto_wrap_policy={nn.Linear}, **extra)
+    out: dict[str, Any] = {"losses": _train(model, [optimizer], rank, world, closure=False)}
+    try:
+        flatshard.get_state_dict(model, optimizer)
+        out["save"] = None
+    except NotImplementedError as err:
+        out["save"] = str(err)
+    out["state"] = flatshard.get_state_dict(model, None)[0]
+    return out
+
+
+@pytest.mark.parametrize("name", ["rownorm", "adafactor"])
+def test_other_whole_tensor_optimizers_train_as_unsharded(name: str) -> None:
+    """A class named in ``whole_tensor_optimizers`` (an import path) and torch's Adafactor (recognised by class)."""
+    if name == "adafactor" and not hasattr(torch.optim, "Adafactor"):
+        pytest.skip("torch.optim.Adafactor")
+    ranks = spawn(_other, 2, name)
+    model = _model()
+    optimizer = (
+        RowNormSGD(model.parameters())
+        if name == "rownorm"
+        else torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    )
+    for step in range(STEPS):
+        x, y = _batch(step, 2)
+        (model(x) - y).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(ranks[0]["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    if name == "adafactor":  # its row and column statistics are not shaped like the parameter: refused, named
+        assert ranks[0]["save"] is not None and "Adafactor" in ranks[0]["save"] and "HINT" in ranks[0]["save"]
+    else:
+        assert ranks[0]["save"] is None
+
+
+def test_a_bad_whole_tensor_optimizer_is_refused_with_a_hint() -> None:
+    with pytest.raises(TypeError, match="whole_tensor_optimizers entry 'torch.nn.Linear'.*HINT"):
+        flatshard.ShardOptions(whole_tensor_optimizers=["torch.nn.Linear"])
+    with pytest.raises(ValueError, match="could not be imported"):
+        flatshard.ShardOptions(whole_tensor_optimizers=["no_such_package.Shampoo"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import importlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -321,6 +322,34 @@ def _check_reshard_root(value: object, strategy: object) -> bool:
     return flag
 
 
+def _check_whole_tensor_optimizers(value: object) -> tuple[type, ...]:
+    """Optimizer classes (or their import paths) that need each parameter whole."""
+    items = [value] if isinstance(value, str | type) else value
+    if not isinstance(items, list | tuple | set | frozenset):
+        raise TypeError(
+            f"whole_tensor_optimizers must be optimizer classes or their import paths, got {type(value).__name__}: "
+            f"{value!r}."
+        )
+    out = []
+    for item in items:
+        cls = item
+        if isinstance(item, str):
+            module_name, _, name = item.rpartition(".")
+            try:
+                cls = getattr(importlib.import_module(module_name), name) if module_name else None
+            except (ImportError, AttributeError) as err:
+                raise ValueError(
+                    f"whole_tensor_optimizers entry {item!r} could not be imported: {err}"
+                ) from err
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise TypeError(
+                f"whole_tensor_optimizers entry {item!r} is not a torch.optim.Optimizer subclass. HINT: name the "
+                "optimizer's class, e.g. 'my_package.optim.Shampoo'."
+            )
+        out.append(cls)
+    return tuple(out)
+
+
 def _check_param_init_fn(value: object) -> Callable[[nn.Module], None] | None:
     if value is not None and not callable(value):
         raise TypeError(f"param_init_fn must be a callable taking a module, got {type(value).__name__}.")
@@ -425,6 +454,10 @@ class ShardOptions:
             Per root: it applies to the collectives on the root's process groups (two roots on one group: the
             last ``shard()`` call's value); ``FLATSHARD_DESYNC_TIMEOUT`` overrides every root's.
             Default: 60.
+        whole_tensor_optimizers: optimizer classes (or import paths) that need each parameter whole, as
+            Shampoo-style preconditioners do: each such parameter is made whole on one owner rank for the step
+            (see [Note: whole-tensor optimizers]). ``torch.optim.Muon`` and ``torch.optim.Adafactor`` are
+            recognised without it. Default: ``()``.
     """
 
     sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
@@ -442,6 +475,7 @@ class ShardOptions:
     shard_group_size: int | None = None
     device: torch.device | None = None
     desync_timeout: float | None = 60.0
+    whole_tensor_optimizers: tuple[type, ...] = ()
 
     def __post_init__(self) -> None:
         errors = OptionErrors("ShardOptions")
@@ -464,6 +498,9 @@ class ShardOptions:
             "shard_group_size": errors.check(_check_shard_group_size, self.shard_group_size),
             "device": errors.check(_check_device, self.device),
             "desync_timeout": errors.check(_check_desync_timeout, self.desync_timeout),
+            "whole_tensor_optimizers": errors.check(
+                _check_whole_tensor_optimizers, self.whole_tensor_optimizers
+            ),
         }
         errors.raise_if_any()
         for name, value in normalized.items():

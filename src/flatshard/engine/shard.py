@@ -26,7 +26,7 @@ from flatshard.engine.setup.activation_checkpointing import CheckFn, apply_activ
 from flatshard.engine.setup.materialize import has_meta_tensors, materialize_modules, materialize_unit
 from flatshard.engine.setup.process_groups import resolve_groups
 from flatshard.engine.setup.wrap import plan_units, select_unit_modules
-from flatshard.engine.step.whole_tensor import install_hooks
+from flatshard.engine.step.whole_tensor import install_hooks, register_whole_tensor_optimizer
 from flatshard.engine.transport import comm, memory, shm, watchdog
 from flatshard.engine.transport.env import check_environment
 
@@ -88,6 +88,8 @@ def shard(
         )
     opts = _options(options, kwargs)
     install_hooks()  # see [Note: whole-tensor optimizers]
+    for cls in opts.whole_tensor_optimizers:
+        register_whole_tensor_optimizer(cls)
     check_environment()  # a malformed FLATSHARD_* fails here, see [Note: environment switches]
     strategy, mp, param_init_fn = opts.sharding_strategy, opts.mixed_precision, opts.param_init_fn
     ignored = _expand_ignored(module, ignored_modules)

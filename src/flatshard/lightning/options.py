@@ -283,6 +283,7 @@ class OptionArguments(TypedDict, total=False):
     start_method: Literal["popen", "spawn"]
     compile: bool | dict[str, Any]
     desync_timeout: float | timedelta | None
+    whole_tensor_optimizers: list[type | str] | tuple[type | str, ...]
     async_save: bool
     allow_dtype_kind_cast: bool
 
