@@ -95,7 +95,7 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
     info["num_params"] = sum(p.numel() for p in model.parameters())  # tied weight counted once
     model = wrap_contender(name, model, cfg, rank, device, info)
     info["local_param_numel"] = local_numel(model)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    optimizer = _optimizer(name, model, cfg)
     batches = make_batches(cfg, rank, world_size, device)
     mixed = info["precision_used"] == "bf16-mixed"
     autocast = (
@@ -169,6 +169,38 @@ def run_contender(rank: int, world_size: int, name: str, cfg: dict[str, Any]) ->
     info["step_times_s"] = times
     info["warmup_step_times_s"] = warmup_times
     return info
+
+
+class _Optimizers:
+    """Several optimizers stepped as one (Muon on the hidden matrices, AdamW on the rest)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+def _optimizer(name: str, model: torch.nn.Module, cfg: dict[str, Any]) -> Any:
+    """AdamW over the trainable parameters; with ``--optimizer muon``, torch's Muon on the blocks' matrices and
+    AdamW on the rest (embeddings, head, norms, biases), as Muon's recipes split them."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if cfg.get("optimizer_name", "adamw") == "adamw":
+        return torch.optim.AdamW([p for _, p in trainable], lr=1e-4)
+    context: Any = contextlib.nullcontext()
+    if name.startswith("flatshard"):  # Muon checks p.ndim == 2 when built: the original shapes
+        import flatshard
+
+        context = flatshard.original_shapes(model)
+    with context:
+        hidden = [p for n, p in trainable if p.ndim == 2 and ".blocks." in f".{n}"]
+        rest = [p for n, p in trainable if not (p.ndim == 2 and ".blocks." in f".{n}")]
+        return _Optimizers([torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=1e-4)])
 
 
 def _phase_peaks(
@@ -358,6 +390,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(AdamW over the adapters only); 0 (default): train everything",
     )
     p.add_argument(
+        "--optimizer",
+        choices=["adamw", "muon"],
+        default="adamw",
+        help="adamw (default); muon: torch.optim.Muon on the blocks' matrices, AdamW on the rest (flatshard makes\n"
+        "each matrix whole on an owner rank for the step; FSDP1/FSDP2 give Muon 1-D pieces and fail)",
+    )
+    p.add_argument(
         "--base-dtype",
         choices=["fp32", "bf16"],
         default="fp32",
@@ -404,10 +443,13 @@ def build_config(args: argparse.Namespace) -> dict[str, Any]:
         flatshard_backward_prefetch=args.flatshard_backward_prefetch,
         flatshard_forward_prefetch=args.flatshard_forward_prefetch,
         fsdp1_forward_prefetch=args.fsdp1_forward_prefetch,
-        optimizer="AdamW(lr=1e-4) over the trainable parameters, other defaults",
+        optimizer="AdamW(lr=1e-4) over the trainable parameters, other defaults"
+        if args.optimizer == "adamw"
+        else "Muon(lr=0.02) on the blocks' matrices, AdamW(lr=1e-4) on the rest",
         timed_region="forward + cross-entropy + backward + optimizer.step() + zero_grad(set_to_none=True)",
         malloc_mmap_threshold=args.malloc_mmap_threshold,
         lora=args.lora,
+        optimizer_name=args.optimizer,
         base_dtype=args.base_dtype,
         poll_memory=args.poll_memory,
         compile_kwargs={
