@@ -14,7 +14,13 @@ from bench_model import Block, build_model
 # The contenders of step_time.py (memory.py builds its peers the same way)
 # ----------------------------------------------------------------------------------------------------------
 
-FLATSHARD_CONTENDERS = ("flatshard", "flatshard_grad_op", "flatshard_compiled", "flatshard_root_resharded")
+FLATSHARD_CONTENDERS = (
+    "flatshard",
+    "flatshard_grad_op",
+    "flatshard_compiled",
+    "flatshard_root_resharded",
+    "flatshard_adamw",
+)
 CONTENDER_DESCRIPTIONS = {
     "flatshard": "flatshard.shard FULL_SHARD, auto_wrap_policy={Block}",
     "flatshard_grad_op": "flatshard.shard SHARD_GRAD_OP, auto_wrap_policy={Block}",

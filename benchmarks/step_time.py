@@ -60,6 +60,7 @@ ALL_CONTENDERS = (
     "fsdp2_grad_op",
     "flatshard_compiled",
     "flatshard_root_resharded",
+    "flatshard_adamw",  # with --optimizer muon: flatshard with AdamW on everything, the elementwise baseline
 )
 DEFAULT_CONTENDERS = ("flatshard", "fsdp1", "fsdp2", "ddp", "flatshard_grad_op")
 
@@ -190,7 +191,7 @@ def _optimizer(name: str, model: torch.nn.Module, cfg: dict[str, Any]) -> Any:
     """AdamW over the trainable parameters; with ``--optimizer muon``, torch's Muon on the blocks' matrices and
     AdamW on the rest (embeddings, head, norms, biases), as Muon's recipes split them."""
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if cfg.get("optimizer_name", "adamw") == "adamw":
+    if cfg.get("optimizer_name", "adamw") == "adamw" or name == "flatshard_adamw":
         return torch.optim.AdamW([p for _, p in trainable], lr=1e-4)
     context: Any = contextlib.nullcontext()
     if name.startswith("flatshard"):  # Muon checks p.ndim == 2 when built: the original shapes
