@@ -28,6 +28,8 @@ CONTENDER_DESCRIPTIONS = {
     " (compile_units: torch.compile, the config's compile_kwargs)",
     "flatshard_root_resharded": "flatshard.shard FULL_SHARD, auto_wrap_policy={Block}, "
     "reshard_root_after_forward=True (the root resharded after forward, as the fsdp2 contender's)",
+    "flatshard_adamw": "flatshard.shard FULL_SHARD, auto_wrap_policy={Block}, AdamW on every parameter (beside "
+    "--optimizer muon: the elementwise baseline)",
     "fsdp1": "torch FSDP1 FULL_SHARD, ModuleWrapPolicy({Block}), use_orig_params=True",
     "fsdp1_grad_op": "torch FSDP1 SHARD_GRAD_OP, ModuleWrapPolicy({Block}), use_orig_params=True",
     "fsdp2": "torch FSDP2 fully_shard per Block then root (reshard_after_forward=True)",
