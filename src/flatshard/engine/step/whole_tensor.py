@@ -26,6 +26,15 @@ owners (values and gradients) and once back (values), a fraction ``(N-1)/N`` of 
 sharding runs the same owners in every replica group. NO_SHARD (one rank per shard group) holds parameters
 whole already: nothing happens.
 
+Why owners rather than every rank updating every parameter redundantly (each all-gathering every gradient and
+value and running the optimizer on all of them), measured on the ``cpu-small`` GPT's 32 block matrices (25.2M
+elements, 2 ranks, one thread each): Muon's step on all of them takes 0.702 s, on each owner's share 0.365 and
+0.338 s, so owners halve the Newton-Schulz work that the redundant scheme repeats on every rank; each rank
+receives ``3P/N`` elements per step here (values and gradients of its owned share, then its pieces back)
+against ``2P(N-1)/N`` for the redundant all-gather, which does not shrink as ranks are added; and the optimizer
+state is divided by ownership instead of whole on every rank (Muon's momentum: 96 MiB per rank redundant, 48
+owned here). End to end, Muon under flatshard took 0.94x DDP's step time (DDP runs all of it on every rank).
+
 The built-in optimizers that need whole tensors are recognised by class (``torch.optim.Muon``,
 ``torch.optim.Adafactor``); any other class is declared with :func:`register_whole_tensor_optimizer` (or the
 ``whole_tensor_optimizers`` argument of ``shard()`` and the strategies, which registers them). The hooks are
