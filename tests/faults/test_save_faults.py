@@ -531,3 +531,34 @@ def test_a_save_to_a_url_removes_what_dead_runs_left_beside_it(tmp_path: Path) -
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def _sharded_checkpoint(path: Path, width: int) -> None:
+    """A sharded checkpoint written by one process (no process group): Linear(width, width) and its AdamW."""
+    torch.manual_seed(0)
+    model = flatshard.shard(torch.nn.Sequential(torch.nn.Linear(width, width)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()
+    flatshard.save_checkpoint(path, model, opt, state_dict_type="sharded")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_consolidate_onto_a_full_disk_fails_and_keeps_the_previous_file(
+    tmp_path: Path, small_disk: Path
+) -> None:
+    """``flatshard consolidate`` streams tensors into the file as it reads them: when the disk fills midway the
+    error names the file, the previous file of that name is intact and no temporary is left."""
+    _sharded_checkpoint(tmp_path / "small", 16)
+    _sharded_checkpoint(tmp_path / "large", 512)  # 1 MiB of weights, 3 MiB with AdamW: more than the disk
+    out = small_disk / "full.ckpt"
+    flatshard.consolidate(tmp_path / "small", out)
+    before = out.read_bytes()
+    with pytest.raises(CheckpointError) as raised:
+        flatshard.consolidate(tmp_path / "large", out)
+    assert "full.ckpt" in str(raised.value) and (
+        "No space" in str(raised.value) or "ENOSPC" in str(raised.value)
+    )
+    assert out.read_bytes() == before
+    assert torch.load(out, weights_only=True)["state_dict"]["0.weight"].shape == (16, 16)
+    assert sorted(p.name for p in small_disk.iterdir()) == ["full.ckpt"]  # no temporary left

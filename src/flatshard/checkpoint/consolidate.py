@@ -8,6 +8,7 @@ last. The process holds one batch of tensors at a time, whatever the checkpoint'
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from flatshard.checkpoint.dcp_layout import Layout
 from flatshard.checkpoint.directory import OBJECT, ShardedReader
 from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.export import export_safetensors
-from flatshard.checkpoint.files import atomic_write
+from flatshard.checkpoint.files import write_offline
 from flatshard.checkpoint.storage import Remote, locate_checked
 from flatshard.checkpoint.stream_file import StreamedTorchFile
 from flatshard.engine import ParamShard
@@ -61,9 +62,10 @@ def consolidate(src: str | os.PathLike[str] | Remote, out: str | os.PathLike[str
             records = _stream_tensors(reader, [fqn for fqn in fqns if fqn not in object_fqns], file)
             file.finish(_assemble(reader, layout, checkpoint, {**objects, **records}))
         finally:
-            file.close()
+            with contextlib.suppress(Exception):  # closed by finish(); after a failure, what it raised counts
+                file.close()
 
-    return atomic_write(target, write)
+    return write_offline(target, write)
 
 
 def _stream_tensors(reader: ShardedReader, fqns: list[str], file: StreamedTorchFile) -> dict[str, Any]:

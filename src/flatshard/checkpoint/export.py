@@ -41,7 +41,7 @@ import torch
 
 from flatshard.checkpoint.directory import ShardedReader, is_sharded_checkpoint
 from flatshard.checkpoint.errors import CheckpointError
-from flatshard.checkpoint.files import atomic_write, load_checkpoint_file
+from flatshard.checkpoint.files import load_checkpoint_file, write_offline
 from flatshard.checkpoint.mapped import MappedPages
 from flatshard.checkpoint.storage import Remote, locate, locate_checked
 from flatshard.engine import ParamShard
@@ -217,7 +217,7 @@ def export_safetensors(
                 if state.pages is not None:  # the pages just read from a mapped file go back
                     state.pages.release(tensor)
 
-    path = atomic_write(target, write)
+    path = write_offline(target, write)
     return ExportResult(path, len(entries), total, aliases, tuple(state.notes))
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "refuse_directory",
     "refuse_pieces",
     "write_full_checkpoint",
+    "write_offline",
 ]
 
 _READ_ERRORS = (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError)
@@ -124,6 +125,19 @@ def atomic_write(path: str | os.PathLike[str] | Remote, write: Callable[[IO[byte
         raise
     fsync_dir(target.parent)
     return target
+
+
+def write_offline(path: str | os.PathLike[str] | Remote, write: Callable[[IO[bytes]], None]) -> Path | str:
+    """:func:`atomic_write` for one process's tools (``consolidate``, exports): a local write that fails (a full
+    disk, no permission) raises :class:`CheckpointError` naming the file and saying it is unchanged."""
+    try:
+        return atomic_write(path, write)
+    except OSError as err:
+        target = locate(path)
+        raise CheckpointError(
+            f"Could not write {target}: {err.strerror or err}. {target} is as it was before (nothing was renamed "
+            "over it, no temporary is left). HINT: free space in that folder, or write somewhere else."
+        ) from err
 
 
 class RecordingFile:
