@@ -89,8 +89,12 @@ def _reference(world: int, closure: bool) -> tuple[dict[str, torch.Tensor], list
 def _run(rank: int, world: int, strategy: str, closure: bool, built: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     model = _model()
-    if built == "before":  # the optimizers hold the Parameter objects shard() keeps
+    if built in ("before", "stepped_before"):  # the optimizers hold the Parameter objects shard() keeps
         optimizers = _optimizers(model)
+        if built == "stepped_before":  # a step (no gradients yet) before the model is sharded, hooks in place
+            flatshard.shard(nn.Linear(2, 2))  # another model sharded earlier in the process
+            for opt in optimizers:
+                opt.step()
         flatshard.shard(model, auto_wrap_policy={nn.Linear}, sharding_strategy=strategy)
     else:
         flatshard.shard(model, auto_wrap_policy={nn.Linear}, sharding_strategy=strategy)
@@ -114,6 +118,7 @@ def _run(rank: int, world: int, strategy: str, closure: bool, built: str) -> dic
         (2, "FULL_SHARD", True, "original_shapes"),
         (3, "FULL_SHARD", False, "original_shapes"),
         (2, "SHARD_GRAD_OP", True, "before"),
+        (2, "FULL_SHARD", False, "stepped_before"),
     ],
 )
 def test_muon_trains_a_sharded_model_as_the_unsharded_one(

@@ -126,14 +126,16 @@ class _Group:
 
 @dataclass
 class _Plan:
-    key: tuple[int, ...]  # ids of the optimizer's parameters when planned
+    key: tuple[tuple[int, int], ...]  # ids of the optimizer's parameters and their handles when planned
     groups: list[_Group]
     stashed: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = field(default_factory=list)
     active: bool = False
 
 
-# per optimizer: the ids of its parameters when planned, and the plan (None: nothing of it is sharded)
-_PLANS: WeakKeyDictionary[torch.optim.Optimizer, tuple[tuple[int, ...], _Plan | None]] = WeakKeyDictionary()
+# per optimizer: the ids of its parameters and their handles when planned, and the plan (None: nothing sharded)
+_PLANS: WeakKeyDictionary[torch.optim.Optimizer, tuple[tuple[tuple[int, int], ...], _Plan | None]] = (
+    WeakKeyDictionary()
+)
 
 
 def _cost(shape: torch.Size) -> int:
@@ -143,7 +145,8 @@ def _cost(shape: torch.Size) -> int:
 
 def _plan(optimizer: torch.optim.Optimizer) -> _Plan | None:
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    key = tuple(id(p) for p in params)
+    # the parameters and their units: a plan made before shard() (nothing sharded yet) is not kept after it
+    key = tuple((id(p), id(handle_of_param(p))) for p in params)
     cached = _PLANS.get(optimizer)
     if cached is not None and cached[0] == key:
         return cached[1]
