@@ -115,10 +115,10 @@ def _stream(
                 if len(left_out) == len(keys):
                     return None  # no key of it is kept: not written
             return writer.tensor(t)
-        except (
-            Exception
-        ) as err:  # a filter that raises, or a failed write: the save fails once all gathers end
-            failure.append(err)
+        except Exception as err:
+            failure.append(
+                err
+            )  # a filter that raises, or a failed write: the save fails once all gathers end
             return None
 
     try:

@@ -45,7 +45,7 @@ of their own.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,7 +126,6 @@ class _Group:
 
 @dataclass
 class _Plan:
-    key: tuple[tuple[int, int], ...]  # ids of the optimizer's parameters and their handles when planned
     groups: list[_Group]
     stashed: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = field(default_factory=list)
     active: bool = False
@@ -179,9 +178,68 @@ def _plan(optimizer: torch.optim.Optimizer) -> _Plan | None:
             owner = min(range(g.world), key=lambda r: (load[r], r))
             item.owner = owner
             load[owner] += _cost(item.shape)
-    plan = _Plan(key, list(groups.values())) if groups else None
+    plan = _Plan(list(groups.values())) if groups else None
     _PLANS[optimizer] = (key, plan)
     return plan
+
+
+Entry = tuple[_Param, torch.Tensor | None]
+
+
+def _all_to_all(
+    g: _Group, send: list[torch.Tensor], in_splits: list[int], out_splits: list[int], dtype: torch.dtype
+) -> torch.Tensor:
+    flat_in = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=g.device)
+    flat_out = torch.empty(sum(out_splits), dtype=dtype, device=g.device)
+    dist.all_to_all_single(flat_out, flat_in, out_splits, in_splits, group=g.group)
+    return flat_out
+
+
+def _to_owners(g: _Group, entries: list[Entry], dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    """Each rank gives its flat piece of every entry (the same entries, in the same order, on every rank); returns,
+    by position in ``entries``, the whole flat tensors of those this rank owns."""
+    send = [
+        t.to(g.device, dtype) for d in range(g.world) for q, t in entries if q.owner == d and t is not None
+    ]
+    in_splits = [sum(q.counts[g.rank] for q, _ in entries if q.owner == d) for d in range(g.world)]
+    out_splits = [sum(q.counts[s] for q, _ in entries if q.owner == g.rank) for s in range(g.world)]
+    flat_out = _all_to_all(g, send, in_splits, out_splits, dtype)
+    wholes = {
+        i: torch.empty(q.shape.numel(), dtype=dtype, device=g.device)
+        for i, (q, _) in enumerate(entries)
+        if q.owner == g.rank
+    }
+    pos = 0
+    for s in range(g.world):  # from each source, its pieces of the entries owned here, in order
+        for i in wholes:
+            q = entries[i][0]
+            n, at = q.counts[s], q.starts[s]
+            wholes[i][at : at + n].copy_(flat_out[pos : pos + n])
+            pos += n
+    return wholes
+
+
+def _from_owners(g: _Group, entries: list[Entry], dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    """The owner of every entry gives its whole flat tensor (``None`` elsewhere); returns, by position in
+    ``entries``, this rank's piece of each."""
+    send = [
+        t[q.starts[d] : q.starts[d] + q.counts[d]].to(g.device, dtype)
+        for d in range(g.world)
+        for q, t in entries
+        if q.owner == g.rank and t is not None
+    ]
+    in_splits = [sum(q.counts[d] for q, _ in entries if q.owner == g.rank) for d in range(g.world)]
+    out_splits = [sum(q.counts[g.rank] for q, _ in entries if q.owner == s) for s in range(g.world)]
+    flat_out = _all_to_all(g, send, in_splits, out_splits, dtype)
+    pieces: dict[int, torch.Tensor] = {}
+    pos = 0
+    for s in range(g.world):
+        for i, (q, _) in enumerate(entries):
+            if q.owner == s:
+                n = q.counts[g.rank]
+                pieces[i] = flat_out[pos : pos + n]
+                pos += n
+    return pieces
 
 
 def _gather_to_owners(plan: _Plan) -> None:
@@ -189,39 +247,18 @@ def _gather_to_owners(plan: _Plan) -> None:
     plan.stashed = []
     for g in plan.groups:
         live = [q for q in g.params if q.param.grad is not None]
-        send: list[list[torch.Tensor]] = [[] for _ in range(g.world)]
-        for q in live:
-            piece = q.handle.piece(q.index).detach().reshape(-1)
+        entries: list[Entry] = []
+        for q in live:  # the value, then the gradient, of each parameter
             grad = q.param.grad
             assert grad is not None
-            send[q.owner] += [piece, grad.detach().reshape(-1).to(g.dtype)]
-        in_splits = [sum(t.numel() for t in ts) for ts in send]
-        mine = [q for q in live if q.owner == g.rank]
-        out_splits = [2 * sum(q.counts[s] for q in mine) for s in range(g.world)]
-        flat_in = torch.cat([t.to(g.device) for ts in send for t in ts]) if any(in_splits) else None
-        flat_out = torch.empty(sum(out_splits), dtype=g.dtype, device=g.device)
-        dist.all_to_all_single(
-            flat_out,
-            flat_in if flat_in is not None else torch.empty(0, dtype=g.dtype, device=g.device),
-            out_splits,
-            in_splits,
-            group=g.group,
-        )
-        wholes = {id(q): torch.empty(q.shape.numel(), dtype=g.dtype, device=g.device) for q in mine}
-        grads = {id(q): torch.empty(q.shape.numel(), dtype=g.dtype, device=g.device) for q in mine}
-        pos = 0
-        for s in range(g.world):  # from each source: its (value, gradient) pieces of my parameters, in order
-            for q in mine:
-                n, at = q.counts[s], q.starts[s]
-                wholes[id(q)][at : at + n].copy_(flat_out[pos : pos + n])
-                grads[id(q)][at : at + n].copy_(flat_out[pos + n : pos + 2 * n])
-                pos += 2 * n
-        for q in live:
+            entries += [(q, q.handle.piece(q.index).detach().reshape(-1)), (q, grad.detach().reshape(-1))]
+        wholes = _to_owners(g, entries, g.dtype)
+        for k, q in enumerate(live):
             plan.stashed.append((q.param, q.param.grad))
             if q.owner == g.rank:
                 shard_device = q.param.device
-                q.param.data = wholes[id(q)].view(q.shape).to(shard_device)
-                q.param.grad = grads[id(q)].view(q.shape).to(shard_device, q.param.dtype)
+                q.param.data = wholes[2 * k].view(q.shape).to(shard_device)
+                q.param.grad = wholes[2 * k + 1].view(q.shape).to(shard_device, q.param.dtype)
             else:
                 q.param.grad = None
     plan.active = True
@@ -229,28 +266,14 @@ def _gather_to_owners(plan: _Plan) -> None:
 
 def _scatter_from_owners(plan: _Plan) -> None:
     """Step 3 of [Note: whole-tensor optimizers]: each rank's pieces of the updated parameters back to it."""
-    stashed = dict((id(p), grad) for p, grad in plan.stashed)
+    stashed = {id(p): grad for p, grad in plan.stashed}
     for g in plan.groups:
         live = [q for q in g.params if id(q.param) in stashed]
-        mine = [q for q in live if q.owner == g.rank]
-        send = [
-            q.param.detach().reshape(-1)[q.starts[d] : q.starts[d] + q.counts[d]].to(g.device, g.dtype)
-            for d in range(g.world)
-            for q in mine
+        entries: list[Entry] = [
+            (q, q.param.detach().reshape(-1) if q.owner == g.rank else None) for q in live
         ]
-        in_splits = [sum(q.counts[d] for q in mine) for d in range(g.world)]
-        out_splits = [sum(q.counts[g.rank] for q in live if q.owner == s) for s in range(g.world)]
-        flat_in = torch.cat(send) if send else torch.empty(0, dtype=g.dtype, device=g.device)
-        flat_out = torch.empty(sum(out_splits), dtype=g.dtype, device=g.device)
-        dist.all_to_all_single(flat_out, flat_in, out_splits, in_splits, group=g.group)
-        pos = 0
-        for s in range(g.world):
-            for q in live:
-                if q.owner != s:
-                    continue
-                n = q.counts[g.rank]
-                q.handle.piece(q.index).detach().reshape(-1).copy_(flat_out[pos : pos + n])
-                pos += n
+        for k, piece in _from_owners(g, entries, g.dtype).items():
+            live[k].handle.piece(live[k].index).detach().reshape(-1).copy_(piece)
         for q in live:
             q.param.data = q.handle.piece(q.index)
             q.param.grad = stashed[id(q.param)]
@@ -308,15 +331,6 @@ def install_hooks() -> None:
         register_optimizer_step_pre_hook(_pre_step)
         register_optimizer_step_post_hook(_post_step)
         _hooks_installed = True
-
-
-def managed_params(optimizer: torch.optim.Optimizer) -> Iterable[torch.nn.Parameter]:
-    """The optimizer's parameters that flatshard shards (for checks and messages)."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            handle = handle_of_param(p)
-            if handle is not None and handle.shard_world > 1:
-                yield p
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -381,39 +395,23 @@ def states_as_pieces(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         )
         pieces: dict[tuple[int, str], torch.Tensor] = {}
         for dtype in dtypes:
-            entries = [
+            keyed = [
                 (n, key)
                 for n, e in sorted(everyone.items())
                 for key, kind in sorted(e.items())
                 if kind[0] == "piece" and kind[1] == dtype
             ]
-            send = [
-                optimizer.state[g.params[n].param][key]
-                .reshape(-1)[g.params[n].starts[d] : g.params[n].starts[d] + g.params[n].counts[d]]
-                .to(g.device)
-                for d in range(g.world)
-                for n, key in entries
-                if g.params[n].owner == g.rank
+            entries: list[Entry] = [
+                (
+                    g.params[n],
+                    optimizer.state[g.params[n].param][key].reshape(-1)
+                    if g.params[n].owner == g.rank
+                    else None,
+                )
+                for n, key in keyed
             ]
-            in_splits = [
-                sum(g.params[n].counts[d] for n, _ in entries if g.params[n].owner == g.rank)
-                for d in range(g.world)
-            ]
-            out_splits = [
-                sum(g.params[n].counts[g.rank] for n, _ in entries if g.params[n].owner == s)
-                for s in range(g.world)
-            ]
-            flat_in = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=g.device)
-            flat_out = torch.empty(sum(out_splits), dtype=dtype, device=g.device)
-            dist.all_to_all_single(flat_out, flat_in, out_splits, in_splits, group=g.group)
-            pos = 0
-            for s in range(g.world):
-                for n, key in entries:
-                    if g.params[n].owner == s:
-                        count = g.params[n].counts[g.rank]
-                        shard_device = g.params[n].handle.sharded.device
-                        pieces[(n, key)] = flat_out[pos : pos + count].to(shard_device)
-                        pos += count
+            for k, piece in _from_owners(g, entries, dtype).items():
+                pieces[keyed[k]] = piece.to(g.params[keyed[k][0]].handle.sharded.device)
         for n, e in everyone.items():
             q = g.params[n]
             stashed[id(q.param)] = (q.param, optimizer.state.get(q.param) if q.owner == g.rank else None)
@@ -447,37 +445,12 @@ def after_load(optimizer: torch.optim.Optimizer) -> None:
         dtypes = sorted({optimizer.state[q.param][k].dtype for n, q in loaded for k in keys[n]}, key=str)
         wholes: dict[tuple[int, str], torch.Tensor] = {}
         for dtype in dtypes:
-            entries = [
-                (n, k) for n, q in loaded for k in keys[n] if optimizer.state[q.param][k].dtype == dtype
+            keyed = [(n, k) for n, q in loaded for k in keys[n] if optimizer.state[q.param][k].dtype == dtype]
+            entries: list[Entry] = [
+                (g.params[n], optimizer.state[g.params[n].param][k].reshape(-1)) for n, k in keyed
             ]
-            send = [
-                optimizer.state[g.params[n].param][k].reshape(-1).to(g.device)
-                for d in range(g.world)
-                for n, k in entries
-                if g.params[n].owner == d
-            ]
-            in_splits = [
-                sum(g.params[n].counts[g.rank] for n, _ in entries if g.params[n].owner == d)
-                for d in range(g.world)
-            ]
-            out_splits = [
-                sum(g.params[n].counts[s] for n, _ in entries if g.params[n].owner == g.rank)
-                for s in range(g.world)
-            ]
-            flat_in = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=g.device)
-            flat_out = torch.empty(sum(out_splits), dtype=dtype, device=g.device)
-            dist.all_to_all_single(flat_out, flat_in, out_splits, in_splits, group=g.group)
-            for n, k in entries:
-                if g.params[n].owner == g.rank:
-                    wholes[(n, k)] = torch.empty(g.params[n].shape.numel(), dtype=dtype, device=g.device)
-            pos = 0
-            for s in range(g.world):
-                for n, k in entries:
-                    q = g.params[n]
-                    if q.owner == g.rank:
-                        count, at = q.counts[s], q.starts[s]
-                        wholes[(n, k)][at : at + count].copy_(flat_out[pos : pos + count])
-                        pos += count
+            for i, whole in _to_owners(g, entries, dtype).items():
+                wholes[keyed[i]] = whole
         for n, q in loaded:
             if q.owner != g.rank:
                 del optimizer.state[q.param]
