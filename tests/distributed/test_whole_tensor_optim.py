@@ -313,3 +313,76 @@ def test_muon_with_other_options_matches_whole_parameters(case: str) -> None:
     tol = {"rtol": 1e-3, "atol": 5e-4} if case == "hybrid" else {"rtol": 1e-5, "atol": 1e-6}
     for key, value in whole.items():
         torch.testing.assert_close(sharded[key], value, **tol, msg=f"{case}: {key}")
+
+
+# ------------------------------------------------------------------------------------- traffic and edits
+def _edited(rank: int, world: int) -> dict[str, Any]:
+    """Four steps of Adafactor (fp32 throughout: Muon's bf16 Newton-Schulz turns rounding-level differences into
+    visible ones); between them the weights are edited behind the optimizer's back: all pieces through ``.data``
+    (no version counter sees it), then one rank's piece of one matrix only."""
+    from flatshard.engine.handle import handle_of_param
+    from flatshard.engine.step import whole_tensor
+
+    torch.set_num_threads(1)
+    model = _model()
+    optimizers = [torch.optim.Adafactor(model.parameters(), lr=1e-2)]
+    flatshard.shard(model, auto_wrap_policy={nn.Linear})
+    first = model[0].weight
+    handle = handle_of_param(first)
+    assert handle is not None
+    info = handle.layout.shard_infos(1)[handle.index_of(first)]
+    exchanges = []
+    for step in range(4):
+        if step == 2:
+            for p in model.parameters():
+                p.data.mul_(0.9)
+        if step == 3 and rank == 1:
+            first.data.add_(0.01)
+        x, y = _batch(step, world)
+        rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        (model(x[rows]) - y[rows]).pow(2).mean().backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        exchanges.append(whole_tensor.last_exchange(optimizers[0]))
+    state, _ = flatshard.get_state_dict(model, None)
+    return {"state": state, "exchanges": exchanges, "region": (info.offset_in_param, info.numel_in_shard)}
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor")
+def test_owners_keep_values_whole_and_see_any_edit_of_a_piece() -> None:
+    world = 3
+    ranks = spawn(_edited, world)
+    # the reference: the same steps and edits on the unsharded model (rank 1's edit on its region of the matrix)
+    model = _model()
+    optimizers = [torch.optim.Adafactor(model.parameters(), lr=1e-2)]
+    start, count = ranks[0]["region"]
+    for step in range(4):
+        with torch.no_grad():
+            if step == 2:
+                for p in model.parameters():
+                    p.mul_(0.9)
+            if step == 3:
+                model[0].weight.view(-1)[start : start + count].add_(0.01)
+        x, y = _batch(step, world)
+        (model(x) - y).pow(2).mean().backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(ranks[0]["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    # values cross ranks on the first step and after each edit only; otherwise gradients to the owners and the
+    # updated pieces back: together (2/N) of one reduce-scatter of the parameters, at most one extra collective
+    matrices = sum(p.numel() for p in model.parameters())
+    for step in range(4):
+        sent = [r["exchanges"][step] for r in ranks]
+        values = sum(s["values"] for s in sent)
+        assert (values > 0) == (step in (0, 2, 3)), (step, sent)
+        moved = sum(s["grads"] + s["back"] for s in sent)
+        assert moved == sum(s["grads"] for s in sent) * 2  # each element one way to the owner, one way back
+        assert moved <= (world - 1) * matrices, (moved, matrices)  # a reduce-scatter moves (N-1) * P in all
+    assert (
+        0
+        < sum(s["values"] for s in (r["exchanges"][3] for r in ranks))
+        < sum(s["values"] for s in (r["exchanges"][0] for r in ranks))
+    )  # after one rank's edit of one matrix, that matrix's values only

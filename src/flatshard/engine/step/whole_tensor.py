@@ -14,24 +14,36 @@ shard group, its owner, and the optimizer runs there on the whole tensor, unchan
    by decreasing cost (elements times the smaller side for a matrix, the Newton-Schulz work; elements otherwise)
    each go to the rank with the least cost so far, so owners share the work and the optimizer state.
 2. When the gradients are final (after the closure, if ``step`` was given one; otherwise at once), one
-   all-to-all over the shard group sends each rank's pieces of every such parameter, values and gradient, to
-   its owner. The owner sets the parameter's ``.data`` and ``.grad`` to the whole tensors; every other rank sets
-   the gradient to ``None`` for the step, so the optimizer skips the parameter there (and keeps no state for it).
+   all-to-all over the shard group sends each rank's pieces of every such gradient to the parameter's owner.
+   The owner keeps the whole value its last step left (see 4.), so values travel only when that copy is
+   missing or stale. The owner sets the parameter's ``.data`` and ``.grad`` to the whole tensors; every other
+   rank sets the gradient to ``None`` for the step, so the optimizer skips the parameter there (and keeps no
+   state for it).
 3. After the step, a second all-to-all sends each rank its piece of every updated parameter, copied into the
-   shard; ``.data`` and ``.grad`` are the pieces again.
+   shard; ``.data`` and ``.grad`` are the pieces again. The owner keeps the whole updated tensor.
+4. Stale copies: anything may write a piece between steps (a checkpoint load, ``unshard_params`` with
+   writeback, a user's in-place edit, a write through ``.data`` that no version counter sees, one rank only).
+   So after each step every rank keeps a 64-bit digest of each of its pieces (integer sums of its bits times
+   positional weights: exact, order-free, one pass over the pieces), and before the next one compares; one
+   all-reduce of one flag per parameter (MAX over the group) makes every rank agree which parameters need
+   values sent with their gradients. A step that raised drops the owners' copies.
 
 The optimizer state of such a parameter is therefore whole, on its owner only: the memory of sharding is kept,
-divided by ownership rather than by elements. Per step the traffic is the whole-tensor parameters once to the
-owners (values and gradients) and once back (values), a fraction ``(N-1)/N`` of each crossing ranks. Hybrid
-sharding runs the same owners in every replica group. NO_SHARD (one rank per shard group) holds parameters
-whole already: nothing happens.
+divided by ownership rather than by elements; the owner's copy of the value adds as much again (about the
+shard's own size for those parameters). Per step each rank sends its pieces' gradients to their owners and
+the owners send the updated pieces back: ``2 P (N-1) / N**2`` elements per rank for ``P`` elements of such
+parameters on ``N`` ranks, ``2/N`` of one reduce-scatter of them (``P (N-1) / N``): at most one extra
+gradient-sized collective at 2 ranks, less beyond. Values add ``P (N-1) / N**2`` on the first step and
+after an edit (of the edited parameters only). Before the owners kept values, every step sent them (``3/N``
+of a reduce-scatter). Hybrid sharding runs the same owners in every replica group. NO_SHARD (one rank per
+shard group) holds parameters whole already: nothing happens.
 
 Why owners rather than every rank updating every parameter redundantly (each all-gathering every gradient and
 value and running the optimizer on all of them), measured on the ``cpu-small`` GPT's 32 block matrices (25.2M
 elements, 2 ranks, one thread each): Muon's step on all of them takes 0.702 s, on each owner's share 0.365 and
 0.338 s, so owners halve the Newton-Schulz work that the redundant scheme repeats on every rank; each rank
-receives ``3P/N`` elements per step here (values and gradients of its owned share, then its pieces back)
-against ``2P(N-1)/N`` for the redundant all-gather, which does not shrink as ranks are added; and the optimizer
+sends ``2P(N-1)/N**2`` elements per step here (gradients to owners, pieces back) against ``2P(N-1)/N`` for
+the redundant all-gather of values and gradients, which does not shrink as ranks are added; and the optimizer
 state is divided by ownership instead of whole on every rank (Muon's momentum: 96 MiB per rank redundant, 48
 owned here). End to end, Muon under flatshard took 0.94x DDP's step time (DDP runs all of it on every rank).
 
@@ -60,6 +72,7 @@ from flatshard.engine.handle import FlatParamHandle, handle_of_param
 __all__ = [
     "after_load",
     "is_whole_tensor_optimizer",
+    "last_exchange",
     "register_whole_tensor_optimizer",
     "states_as_pieces",
     "whole_tensor_classes",
@@ -110,6 +123,8 @@ class _Param:
     shape: torch.Size
     counts: list[int]  # elements of this parameter in each rank's shard, by group rank
     starts: list[int]  # where each rank's elements begin in the flattened parameter
+    whole: torch.Tensor | None = None  # on the owner: the whole value its last step left (the pieces' source)
+    digest: torch.Tensor | None = None  # this rank's piece, as the last step left it (see _digests)
 
 
 @dataclass
@@ -129,6 +144,8 @@ class _Plan:
     groups: list[_Group]
     stashed: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = field(default_factory=list)
     active: bool = False
+    # elements this rank sent in the exchanges of the last step: values and gradients to owners, pieces back
+    sent: dict[str, int] = field(default_factory=lambda: {"values": 0, "grads": 0, "back": 0})
 
 
 # per optimizer: the ids of its parameters and their handles when planned, and the plan (None: nothing sharded)
@@ -242,23 +259,85 @@ def _from_owners(g: _Group, entries: list[Entry], dtype: torch.dtype) -> dict[in
     return pieces
 
 
+_CHUNK = 1 << 20
+_MODULUS = (1 << 61) - 1
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _digests(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """One int64 per piece, a function of its bits and their positions (exact and order-free: integer sums).
+
+    Each 16-bit word (a byte for 1-byte types) times an odd weight below 2**20 (repeating every 2**20 words),
+    summed per chunk (below 2**55) and the chunks modulo 2**61 - 1: any one word changed changes the digest,
+    and so does moving words; a change to many words goes unseen with a chance near 2**-61.
+    """
+    if not pieces:
+        return torch.zeros(0, dtype=torch.int64)
+    device = pieces[0].device
+    weights = _WEIGHTS.get(device)
+    if weights is None:
+        gen = torch.Generator().manual_seed(0x5EED)
+        weights = torch.randint(0, 1 << 19, (_CHUNK,), generator=gen, dtype=torch.int64) * 2 + 1
+        weights = _WEIGHTS[device] = weights.to(device)
+    out = torch.zeros(len(pieces), dtype=torch.int64, device=device)
+    for k, piece in enumerate(pieces):
+        flat = piece.detach().reshape(-1)
+        words = flat.view(torch.int16 if flat.element_size() % 2 == 0 else torch.uint8)
+        for at in range(0, words.numel(), _CHUNK):
+            chunk = words[at : at + _CHUNK]
+            out[k] = torch.remainder(
+                out[k] + (chunk.to(torch.int64) * weights[: chunk.numel()]).sum(), _MODULUS
+            )
+    return out
+
+
+def _stale(g: _Group, live: list[_Param]) -> list[bool]:
+    """Which of ``live`` their owner must be sent values for, the same answer on every rank of the group: those
+    with no whole value on the owner yet, or with a piece anywhere that is not what the last step left (a load,
+    an in-place edit, a write through ``.data``: whatever wrote it)."""
+    now = _digests([q.handle.piece(q.index) for q in live])
+    flags = [
+        q.digest is None or (q.owner == g.rank and q.whole is None) or bool(q.digest.ne(now[k]))
+        for k, q in enumerate(live)
+    ]
+    if not live:
+        return []
+    votes = torch.tensor(flags, dtype=torch.int32, device=g.device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=g.group)
+    return [bool(v) for v in votes.tolist()]
+
+
 def _gather_to_owners(plan: _Plan) -> None:
-    """Step 2 of [Note: whole-tensor optimizers]: values and gradients to the owners, whole tensors put in place."""
+    """Step 2 of [Note: whole-tensor optimizers]: gradients (and values where stale) to the owners, whole tensors
+    put in place."""
     plan.stashed = []
+    plan.sent = {"values": 0, "grads": 0, "back": 0}
     for g in plan.groups:
         live = [q for q in g.params if q.param.grad is not None]
+        stale = _stale(g, live)
         entries: list[Entry] = []
-        for q in live:  # the value, then the gradient, of each parameter
+        for q, needs_value in zip(live, stale, strict=True):
             grad = q.param.grad
             assert grad is not None
-            entries += [(q, q.handle.piece(q.index).detach().reshape(-1)), (q, grad.detach().reshape(-1))]
+            elsewhere = q.counts[g.rank] if q.owner != g.rank else 0
+            if needs_value:
+                entries.append((q, q.handle.piece(q.index).detach().reshape(-1)))
+                plan.sent["values"] += elsewhere
+            entries.append((q, grad.detach().reshape(-1)))
+            plan.sent["grads"] += elsewhere
         wholes = _to_owners(g, entries, g.dtype)
-        for k, q in enumerate(live):
+        at = 0
+        for q, needs_value in zip(live, stale, strict=True):
             plan.stashed.append((q.param, q.param.grad))
+            value_at, grad_at = (at, at + 1) if needs_value else (None, at)
+            at = grad_at + 1
             if q.owner == g.rank:
                 shard_device = q.param.device
-                q.param.data = wholes[2 * k].view(q.shape).to(shard_device)
-                q.param.grad = wholes[2 * k + 1].view(q.shape).to(shard_device, q.param.dtype)
+                if value_at is not None:
+                    q.whole = wholes[value_at].view(q.shape).to(shard_device)
+                assert q.whole is not None
+                q.param.data = q.whole
+                q.param.grad = wholes[grad_at].view(q.shape).to(shard_device, q.param.dtype)
             else:
                 q.param.grad = None
     plan.active = True
@@ -272,22 +351,31 @@ def _scatter_from_owners(plan: _Plan) -> None:
         entries: list[Entry] = [
             (q, q.param.detach().reshape(-1) if q.owner == g.rank else None) for q in live
         ]
+        plan.sent["back"] += sum(
+            q.counts[d] for q in live if q.owner == g.rank for d in range(g.world) if d != g.rank
+        )
         for k, piece in _from_owners(g, entries, g.dtype).items():
             live[k].handle.piece(live[k].index).detach().reshape(-1).copy_(piece)
         for q in live:
             q.param.data = q.handle.piece(q.index)
             q.param.grad = stashed[id(q.param)]
+        for q, digest in zip(live, _digests([q.handle.piece(q.index) for q in live]), strict=True):
+            q.digest = digest
     plan.stashed = []
     plan.active = False
 
 
 def _restore(plan: _Plan) -> None:
-    """Pieces back in place after a step that raised (its post-step hook never ran); the shards are unchanged."""
+    """Pieces back in place after a step that raised (its post-step hook never ran); the shards are unchanged,
+    the owners' whole values are not to be trusted: the next step sends values again."""
     for p, grad in plan.stashed:
         handle = handle_of_param(p)
         if handle is not None:
             p.data = handle.piece(handle.index_of(p))
             p.grad = grad
+    for g in plan.groups:
+        for q in g.params:
+            q.whole = None
     plan.stashed = []
     plan.active = False
 
@@ -320,6 +408,14 @@ def _post_step(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: 
     cached = _PLANS.get(optimizer)
     if cached is not None and cached[1] is not None and cached[1].active:
         _scatter_from_owners(cached[1])
+
+
+def last_exchange(optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Elements this rank sent in the last step's exchanges of ``optimizer`` (zeros if it has none): ``values``
+    and ``grads`` to the owners, ``back`` the updated pieces to the ranks holding them."""
+    cached = _PLANS.get(optimizer)
+    plan = cached[1] if cached is not None else None
+    return dict(plan.sent) if plan is not None else {"values": 0, "grads": 0, "back": 0}
 
 
 def install_hooks() -> None:
