@@ -6,6 +6,7 @@ or after it inside ``original_shapes``; each rank keeps Muon's state only for th
 from __future__ import annotations
 
 import copy
+import importlib
 from typing import Any
 
 import pytest
@@ -114,6 +115,7 @@ def _run(rank: int, world: int, strategy: str, closure: bool, built: str) -> dic
 @pytest.mark.parametrize(
     ("world", "strategy", "closure", "built"),
     [
+        (1, "FULL_SHARD", False, "before"),
         (2, "FULL_SHARD", False, "before"),
         (2, "FULL_SHARD", True, "original_shapes"),
         (3, "FULL_SHARD", False, "original_shapes"),
@@ -138,8 +140,9 @@ def test_muon_trains_a_sharded_model_as_the_unsharded_one(
     owned = [shape for r in ranks for shape in r["muon_state"]]
     assert sorted(owned) == sorted(tuple(v.shape) for v in expected.values() if v.ndim == 2)
     assert all(r["muon_state"] for r in ranks[:2])  # the work is shared
-    # between steps every parameter is a 1-D piece again
-    assert all(len(shape) == 1 for r in ranks for shape in r["piece_shapes"])
+    # between steps every parameter is a 1-D piece again (on one rank: whole, as it was)
+    shapes = [shape for r in ranks for shape in r["piece_shapes"]]
+    assert all(len(shape) == 1 for shape in shapes) if world > 1 else any(len(shape) == 2 for shape in shapes)
 
 
 # ------------------------------------------------------------------------------------- checkpoints
@@ -193,6 +196,14 @@ def test_muon_state_saves_full_and_sharded_and_resumes_on_another_world_size(tmp
         torch.testing.assert_close(
             full["state"][idx]["momentum_buffer"], entries["momentum_buffer"], rtol=1e-5, atol=1e-6
         )
+    # The sharded directory consolidates, offline, into that same file's optimizer state.
+    consolidate = importlib.import_module("flatshard.checkpoint.consolidate").consolidate
+    consolidate(tmp_path / "sharded-0.ckpt", tmp_path / "consolidated.ckpt")
+    merged = torch.load(tmp_path / "consolidated.ckpt", weights_only=True)["optimizer_states"][0]
+    assert sorted(merged["state"]) == sorted(full["state"])
+    for idx, entries in full["state"].items():
+        for key, value in entries.items():
+            torch.testing.assert_close(merged["state"][idx][key], value, rtol=0, atol=0, msg=f"{idx} {key}")
     for kind in ("full", "sharded"):
         state = spawn(_resume, 3, str(tmp_path), kind)[0]["state"]
         for key, value in model.state_dict().items():
@@ -272,6 +283,8 @@ def test_a_bad_whole_tensor_optimizer_is_refused_with_a_hint() -> None:
 def _with_options(rank: int, world: int, case: str, strategy: str) -> dict[str, Any]:
     """Muon + AdamW with one more option. Under NO_SHARD the parameters are whole on every rank and the
     arithmetic is the same (each rank's gradients of its micro-batch, summed over 2 ranks): the reference."""
+    from flatshard.engine.step import whole_tensor
+
     torch.set_num_threads(1)
     model = _model()
     optimizers = _optimizers(model)
@@ -300,6 +313,9 @@ def _with_options(rank: int, world: int, case: str, strategy: str) -> dict[str, 
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
+        # values travel on the first step only: nothing here writes the pieces between steps
+        values = whole_tensor.last_exchange(optimizers[0])["values"]
+        assert (values > 0) == (step == 0 and strategy != "NO_SHARD"), (case, step, values)
     return flatshard.get_state_dict(model, None)[0]
 
 

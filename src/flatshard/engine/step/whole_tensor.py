@@ -23,9 +23,10 @@ shard group, its owner, and the optimizer runs there on the whole tensor, unchan
    shard; ``.data`` and ``.grad`` are the pieces again. The owner keeps the whole updated tensor.
 4. Stale copies: anything may write a piece between steps (a checkpoint load, ``unshard_params`` with
    writeback, a user's in-place edit, a write through ``.data`` that no version counter sees, one rank only).
-   So after each step every rank keeps a 64-bit digest of each of its pieces (integer sums of its bits times
-   positional weights: exact, order-free, one pass over the pieces), and before the next one compares; one
-   all-reduce of one flag per parameter (MAX over the group) makes every rank agree which parameters need
+   So after each step every rank notes each of its pieces' version counters (an in-place write through the
+   parameter or the shard bumps them) and a digest of its bytes (a write through ``.data`` bumps nothing:
+   CRC-32 on the CPU, several GB/s; a positional integer sum on a device), and before the next step compares;
+   one all-reduce of one flag per parameter (MAX over the group) makes every rank agree which parameters need
    values sent with their gradients. A step that raised drops the owners' copies.
 
 The optimizer state of such a parameter is therefore whole, on its owner only: the memory of sharding is kept,
@@ -57,6 +58,7 @@ of their own.
 from __future__ import annotations
 
 import threading
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -68,6 +70,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from flatshard.engine.handle import FlatParamHandle, handle_of_param
+from flatshard.engine.transport import watchdog
 
 __all__ = [
     "after_load",
@@ -124,7 +127,7 @@ class _Param:
     counts: list[int]  # elements of this parameter in each rank's shard, by group rank
     starts: list[int]  # where each rank's elements begin in the flattened parameter
     whole: torch.Tensor | None = None  # on the owner: the whole value its last step left (the pieces' source)
-    digest: torch.Tensor | None = None  # this rank's piece, as the last step left it (see _digests)
+    mark: tuple[int, int, int, int] | None = None  # this rank's piece as the last step left it (see _marks)
 
 
 @dataclass
@@ -204,15 +207,23 @@ Entry = tuple[_Param, torch.Tensor | None]
 
 
 def _all_to_all(
-    g: _Group, send: list[torch.Tensor], in_splits: list[int], out_splits: list[int], dtype: torch.dtype
+    g: _Group,
+    send: list[torch.Tensor],
+    in_splits: list[int],
+    out_splits: list[int],
+    dtype: torch.dtype,
+    what: str,
 ) -> torch.Tensor:
     flat_in = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=g.device)
     flat_out = torch.empty(sum(out_splits), dtype=dtype, device=g.device)
-    dist.all_to_all_single(flat_out, flat_in, out_splits, in_splits, group=g.group)
+    work = dist.all_to_all_single(flat_out, flat_in, out_splits, in_splits, group=g.group, async_op=True)
+    watchdog.wait_collective(
+        work, f"all_to_all of {what} ({flat_in.numel()} elements)", g.group, "all_to_all"
+    )
     return flat_out
 
 
-def _to_owners(g: _Group, entries: list[Entry], dtype: torch.dtype) -> dict[int, torch.Tensor]:
+def _to_owners(g: _Group, entries: list[Entry], dtype: torch.dtype, what: str) -> dict[int, torch.Tensor]:
     """Each rank gives its flat piece of every entry (the same entries, in the same order, on every rank); returns,
     by position in ``entries``, the whole flat tensors of those this rank owns."""
     send = [
@@ -220,7 +231,7 @@ def _to_owners(g: _Group, entries: list[Entry], dtype: torch.dtype) -> dict[int,
     ]
     in_splits = [sum(q.counts[g.rank] for q, _ in entries if q.owner == d) for d in range(g.world)]
     out_splits = [sum(q.counts[s] for q, _ in entries if q.owner == g.rank) for s in range(g.world)]
-    flat_out = _all_to_all(g, send, in_splits, out_splits, dtype)
+    flat_out = _all_to_all(g, send, in_splits, out_splits, dtype, what)
     wholes = {
         i: torch.empty(q.shape.numel(), dtype=dtype, device=g.device)
         for i, (q, _) in enumerate(entries)
@@ -236,7 +247,7 @@ def _to_owners(g: _Group, entries: list[Entry], dtype: torch.dtype) -> dict[int,
     return wholes
 
 
-def _from_owners(g: _Group, entries: list[Entry], dtype: torch.dtype) -> dict[int, torch.Tensor]:
+def _from_owners(g: _Group, entries: list[Entry], dtype: torch.dtype, what: str) -> dict[int, torch.Tensor]:
     """The owner of every entry gives its whole flat tensor (``None`` elsewhere); returns, by position in
     ``entries``, this rank's piece of each."""
     send = [
@@ -247,7 +258,7 @@ def _from_owners(g: _Group, entries: list[Entry], dtype: torch.dtype) -> dict[in
     ]
     in_splits = [sum(q.counts[d] for q, _ in entries if q.owner == g.rank) for d in range(g.world)]
     out_splits = [sum(q.counts[g.rank] for q, _ in entries if q.owner == s) for s in range(g.world)]
-    flat_out = _all_to_all(g, send, in_splits, out_splits, dtype)
+    flat_out = _all_to_all(g, send, in_splits, out_splits, dtype, what)
     pieces: dict[int, torch.Tensor] = {}
     pos = 0
     for s in range(g.world):
@@ -264,46 +275,67 @@ _MODULUS = (1 << 61) - 1
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 
-def _digests(pieces: list[torch.Tensor]) -> torch.Tensor:
-    """One int64 per piece, a function of its bits and their positions (exact and order-free: integer sums).
+def _digests(pieces: list[torch.Tensor]) -> list[int]:
+    """A digest of each piece's bits, the same for the same bits on the same device: CRC-32 of its bytes on the
+    CPU (zlib's, several GB/s; any change of up to 32 bits is seen, any other with a chance of ``1 - 2**-32``),
+    :func:`_sum_digests` on a device."""
+    out: list[int] = [0] * len(pieces)
+    on_device = [k for k, piece in enumerate(pieces) if piece.device.type != "cpu"]
+    for k, piece in enumerate(pieces):
+        if piece.device.type == "cpu":
+            out[k] = zlib.crc32(piece.detach().reshape(-1).view(torch.uint8).numpy().data)
+    for k, value in zip(on_device, _sum_digests([pieces[k] for k in on_device]), strict=True):
+        out[k] = value
+    return out
 
-    Each 16-bit word (a byte for 1-byte types) times an odd weight below 2**20 (repeating every 2**20 words),
-    summed per chunk (below 2**55) and the chunks modulo 2**61 - 1: any one word changed changes the digest,
-    and so does moving words; a change to many words goes unseen with a chance near 2**-61.
-    """
+
+def _sum_digests(pieces: list[torch.Tensor]) -> list[int]:
+    """Each 16-bit word (a byte for 1-byte types) times an odd weight below 2**20 (repeating every 2**20 words),
+    summed per chunk (below 2**55: exact and order-free) and the chunks modulo 2**61 - 1, on the pieces' device
+    with one transfer to the host: any one word changed changes the digest, moved words too."""
     if not pieces:
-        return torch.zeros(0, dtype=torch.int64)
+        return []
     device = pieces[0].device
     weights = _WEIGHTS.get(device)
     if weights is None:
         gen = torch.Generator().manual_seed(0x5EED)
         weights = torch.randint(0, 1 << 19, (_CHUNK,), generator=gen, dtype=torch.int64) * 2 + 1
         weights = _WEIGHTS[device] = weights.to(device)
-    out = torch.zeros(len(pieces), dtype=torch.int64, device=device)
+    sums = torch.zeros(len(pieces), dtype=torch.int64, device=device)
     for k, piece in enumerate(pieces):
         flat = piece.detach().reshape(-1)
         words = flat.view(torch.int16 if flat.element_size() % 2 == 0 else torch.uint8)
         for at in range(0, words.numel(), _CHUNK):
             chunk = words[at : at + _CHUNK]
-            out[k] = torch.remainder(
-                out[k] + (chunk.to(torch.int64) * weights[: chunk.numel()]).sum(), _MODULUS
-            )
-    return out
+            part = (chunk.to(torch.int64) * weights[: chunk.numel()]).sum()
+            sums[k] = torch.remainder(sums[k] + part, _MODULUS)
+    return [int(v) for v in sums.tolist()]
+
+
+def _marks(live: list[_Param]) -> list[tuple[int, int, int, int]]:
+    """What each piece is now: its digest and the version counters an in-place write through the parameter or
+    the shard bumps (a write through ``.data`` bumps neither: the digest sees it)."""
+    digests = _digests([q.handle.piece(q.index) for q in live])
+    return [
+        (d, id(q.handle.sharded), q.handle.sharded._version, q.param._version)
+        for d, q in zip(digests, live, strict=True)
+    ]
 
 
 def _stale(g: _Group, live: list[_Param]) -> list[bool]:
     """Which of ``live`` their owner must be sent values for, the same answer on every rank of the group: those
     with no whole value on the owner yet, or with a piece anywhere that is not what the last step left (a load,
     an in-place edit, a write through ``.data``: whatever wrote it)."""
-    now = _digests([q.handle.piece(q.index) for q in live])
-    flags = [
-        q.digest is None or (q.owner == g.rank and q.whole is None) or bool(q.digest.ne(now[k]))
-        for k, q in enumerate(live)
-    ]
     if not live:
         return []
+    now = _marks(live)
+    flags = [
+        q.mark is None or (q.owner == g.rank and q.whole is None) or q.mark != now[k]
+        for k, q in enumerate(live)
+    ]
     votes = torch.tensor(flags, dtype=torch.int32, device=g.device)
-    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=g.group)
+    work = dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=g.group, async_op=True)
+    watchdog.wait_collective(work, "all_reduce of whole-tensor optimizer flags", g.group, "all_reduce")
     return [bool(v) for v in votes.tolist()]
 
 
@@ -325,7 +357,7 @@ def _gather_to_owners(plan: _Plan) -> None:
                 plan.sent["values"] += elsewhere
             entries.append((q, grad.detach().reshape(-1)))
             plan.sent["grads"] += elsewhere
-        wholes = _to_owners(g, entries, g.dtype)
+        wholes = _to_owners(g, entries, g.dtype, "gradients to their owners (whole-tensor optimizer step)")
         at = 0
         for q, needs_value in zip(live, stale, strict=True):
             plan.stashed.append((q.param, q.param.grad))
@@ -354,13 +386,15 @@ def _scatter_from_owners(plan: _Plan) -> None:
         plan.sent["back"] += sum(
             q.counts[d] for q in live if q.owner == g.rank for d in range(g.world) if d != g.rank
         )
-        for k, piece in _from_owners(g, entries, g.dtype).items():
+        for k, piece in _from_owners(
+            g, entries, g.dtype, "updated pieces from their owners (whole-tensor optimizer step)"
+        ).items():
             live[k].handle.piece(live[k].index).detach().reshape(-1).copy_(piece)
         for q in live:
             q.param.data = q.handle.piece(q.index)
             q.param.grad = stashed[id(q.param)]
-        for q, digest in zip(live, _digests([q.handle.piece(q.index) for q in live]), strict=True):
-            q.digest = digest
+        for q, mark in zip(live, _marks(live), strict=True):
+            q.mark = mark
     plan.stashed = []
     plan.active = False
 
@@ -506,7 +540,7 @@ def states_as_pieces(optimizer: torch.optim.Optimizer) -> Iterator[None]:
                 )
                 for n, key in keyed
             ]
-            for k, piece in _from_owners(g, entries, dtype).items():
+            for k, piece in _from_owners(g, entries, dtype, "optimizer state pieces for a save").items():
                 pieces[keyed[k]] = piece.to(g.params[keyed[k][0]].handle.sharded.device)
         for n, e in everyone.items():
             q = g.params[n]
@@ -545,7 +579,7 @@ def after_load(optimizer: torch.optim.Optimizer) -> None:
             entries: list[Entry] = [
                 (g.params[n], optimizer.state[g.params[n].param][k].reshape(-1)) for n, k in keyed
             ]
-            for i, whole in _to_owners(g, entries, dtype).items():
+            for i, whole in _to_owners(g, entries, dtype, "loaded optimizer state to its owners").items():
                 wholes[keyed[i]] = whole
         for n, q in loaded:
             if q.owner != g.rank:
