@@ -6,6 +6,7 @@ whose optimizer states are DDP's, and resumes from DDP's checkpoint; the same lo
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import lightning as L
@@ -135,3 +136,41 @@ def test_muon_under_fabric_trains_as_the_unsharded_model() -> None:
             opt.zero_grad()
         assert abs(ours["losses"][step] - float(loss)) < 1e-5 * max(1.0, float(loss)), (step, ours["losses"])
     assert_same_weights(ours["state"], model.state_dict(), "Fabric")
+
+
+class MatrixOnly(torch.optim.SGD):
+    """A matrix optimizer flatshard has not been told about: it refuses anything but 2-D gradients."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.ndim != 2:
+                    raise ValueError(f"MatrixOnly needs 2-D gradients, got {tuple(p.grad.shape)}")
+        return super().step(closure)
+
+
+def _undeclared(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=flatshard.FlatShardFabricStrategy())
+    fabric.launch()
+    torch.manual_seed(0)
+    model = TinyGPT()
+    optimizer = MatrixOnly([p for p in model.parameters() if p.ndim == 2], lr=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    idx, tgt = make_batch(0, PER_RANK * world)
+    fabric.backward(model.module.loss(idx[:PER_RANK], tgt[:PER_RANK]))
+    try:
+        optimizer.step()
+    except ValueError as err:
+        return {"error": str(err), "notes": getattr(err, "__notes__", [])}
+    return {"error": None}
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes (Python 3.11)")
+def test_an_undeclared_matrix_optimizer_gets_a_hint_with_its_error() -> None:
+    for r in spawn(_undeclared, 2):
+        assert r["error"] is not None and "MatrixOnly needs 2-D gradients" in r["error"], r
+        note = "\n".join(r["notes"])
+        assert "MatrixOnly.step() got 1-D pieces" in note and "HINT" in note, note
+        assert f'whole_tensor_optimizers=["{__name__}.MatrixOnly"]' in note, note

@@ -72,6 +72,7 @@ from flatshard.engine.step.clip import clip_grad_norm_, clip_grad_norm_params_
 from flatshard.engine.step.ema import EMA, check_decay
 from flatshard.engine.step.whole_tensor import after_load as finish_optimizer_load
 from flatshard.engine.step.whole_tensor import (
+    explaining_step_errors,
     is_whole_tensor_optimizer,
     register_whole_tensor_optimizer,
     whole_tensor_classes,
@@ -106,6 +107,7 @@ __all__ = [
     "compile_units",
     "convert_full_optim_state_dict",
     "end_join",
+    "explaining_step_errors",
     "finish_optimizer_load",
     "forward_call",
     "full_model_state_dict",

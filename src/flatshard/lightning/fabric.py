@@ -44,6 +44,7 @@ from flatshard.checkpoint import (
 )
 from flatshard.engine import (
     clip_grad_norm_params_,
+    explaining_step_errors,
     full_model_state_dict,
     full_optim_state_dict,
     is_sharded,
@@ -256,6 +257,13 @@ class FlatShardFabricStrategy(ShellMembers, ParallelStrategy):
         return clip_grad_norm_params_(
             self.precision.main_params(optimizer), float(max_norm), float(norm_type), error_if_nonfinite
         )
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        with explaining_step_errors(
+            getattr(optimizer, "optimizer", optimizer)
+        ):  # an undeclared matrix optimizer
+            return super().optimizer_step(optimizer, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
     def _owner(self, optimizer: Optimizer) -> Module:

@@ -32,6 +32,7 @@ from flatshard.checkpoint import (
 )
 from flatshard.engine import (
     ShardingStrategy,
+    explaining_step_errors,
     full_model_state_dict,
     full_optim_state_dict,
     is_sharded,
@@ -321,7 +322,8 @@ class FlatShardStrategy(ShellMembers, ParallelStrategy):
         model: Any = None,
         **kwargs: Any,
     ) -> Any:
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        with explaining_step_errors(optimizer):  # a matrix optimizer not declared: say how
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._step_modes.after_optimizer_step(self.model)  # a step inside training_step (manual optimization)
         return out
 
