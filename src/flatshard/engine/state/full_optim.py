@@ -21,7 +21,13 @@ import torch.nn as nn
 from flatshard.engine.handle import FlatParamHandle, locate_params
 from flatshard.engine.state.full_model import copy_out, prepare_for_state_io
 from flatshard.engine.state.stream_gather import GatherItem, gather_items
-from flatshard.engine.step.whole_tensor import after_load, states_as_pieces
+from flatshard.engine.step.whole_tensor import (
+    after_load,
+    is_whole_tensor_optimizer,
+    note_loaded_whole,
+    states_as_pieces,
+    whole_state_keys,
+)
 from flatshard.engine.transport.comm import global_rank
 
 __all__ = [
@@ -67,11 +73,16 @@ def plan_full_optim_state_dict(
     located = locate_params(params)
     with states_as_pieces(optimizer):  # see [Note: saving whole-tensor optimizer state]
         local = optimizer.state_dict()
+        whole = whole_state_keys(optimizer)
+
+    def cut(idx: int, key: str, value: Any) -> bool:  # a piece of a tensor shaped like its parameter
+        return _is_sharded_state(located[idx][0], value) and (id(params[idx]), key) not in whole
+
     # Metadata of sharded tensors: (idx, key) -> dtype, union over ranks (one object collective).
     meta: dict[tuple[int, str], torch.dtype] = {}
     for idx, (handle, i) in enumerate(located):
         for key, value in local["state"].get(idx, {}).items():
-            if _is_sharded_state(handle, value):
+            if cut(idx, key, value):
                 assert (
                     handle is not None
                 )  # the piece: the parameter's data between steps (not inside unshard_params)
@@ -95,7 +106,7 @@ def plan_full_optim_state_dict(
             state[idx] = {
                 k: copy_out(v, to_cpu) if isinstance(v, torch.Tensor) else v
                 for k, v in entries.items()
-                if not _is_sharded_state(handle, v)
+                if not cut(idx, k, v)
             }
     # Sharded tensors: one item per (unit, key), in a fixed order on every rank.
     by_unit: dict[int, tuple[FlatParamHandle, dict[str, list[int]]]] = {}
@@ -177,6 +188,10 @@ def convert_full_optim_state_dict(
         )
     saved_ids = [i for g in saved_groups for i in g["params"]]
     local_state: dict[int, dict[str, Any]] = {}
+    whole_state = is_whole_tensor_optimizer(
+        optimizer
+    )  # state of other shapes is its own (Adafactor's factors)
+    kept_whole: set[tuple[int, str]] = set()
     for pos, saved_id in enumerate(saved_ids):
         entries = state_dict["state"].get(saved_id)
         if entries is None:
@@ -185,7 +200,14 @@ def convert_full_optim_state_dict(
         full_shape = handle.layout.shapes[i] if handle is not None else params[pos].shape
         converted: dict[str, Any] = {}
         for key, value in entries.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
+            if (
+                isinstance(value, torch.Tensor)
+                and value.dim() > 0
+                and value.shape != full_shape
+                and whole_state
+            ):
+                kept_whole.add((id(params[pos]), key))  # whole, on the owner after the load
+            elif isinstance(value, torch.Tensor) and value.dim() > 0:
                 if value.shape != full_shape:
                     raise ValueError(
                         f"{source}: state {key!r} of parameter #{pos} has shape {tuple(value.shape)}, the parameter "
@@ -201,6 +223,7 @@ def convert_full_optim_state_dict(
             # source may be another optimizer's live state or a memory-mapped file.
             converted[key] = value.clone() if copy and isinstance(value, torch.Tensor) else value
         local_state[pos] = converted
+    note_loaded_whole(optimizer, kept_whole)
     groups = [
         dict(g, params=list(range(start, start + len(g["params"]))))
         for g, start in zip(saved_groups, _starts(sizes_saved), strict=False)

@@ -26,7 +26,7 @@ from flatshard.engine.precision import original_buffer_dtypes
 from flatshard.engine.state.full_model import parameter_names, prepare_for_state_io
 from flatshard.engine.state.full_optim import optimizer_params
 from flatshard.engine.state.stand_ins import live_piece, saved_piece, saved_value
-from flatshard.engine.step.whole_tensor import states_as_pieces
+from flatshard.engine.step.whole_tensor import note_loaded_whole, states_as_pieces, whole_state_keys
 
 __all__ = [
     "ParamShard",
@@ -131,6 +131,7 @@ def sharded_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer
     names = _optimizer_names(module, optimizer)
     with states_as_pieces(optimizer):  # see [Note: saving whole-tensor optimizer state]
         local = optimizer.state_dict()
+        whole = whole_state_keys(optimizer)
     state: dict[str, dict[str, Any]] = {}
     for idx, entries in local["state"].items():
         p, name = params[idx], names[idx]
@@ -138,7 +139,9 @@ def sharded_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer
         piece = live_piece(p)  # the parameter's data between steps (inside unshard_params it is full)
         converted: dict[str, Any] = {}
         for key, value in entries.items():
-            if shard is not None and isinstance(value, torch.Tensor) and value.dim() > 0:
+            if (id(p), key) in whole:  # replicated, like ``step``
+                converted[key] = value
+            elif shard is not None and isinstance(value, torch.Tensor) and value.dim() > 0:
                 if value.shape != piece.shape:
                     raise ValueError(
                         f"{type(optimizer).__name__} keeps state {key!r} of shape {tuple(value.shape)} for "
@@ -216,6 +219,7 @@ def to_local_optim_state(
         )
     position = {name: i for i, name in enumerate(names)}
     state: dict[int, dict[str, Any]] = {}
+    kept_whole: set[tuple[int, str]] = set()
     for name, entries in sharded["state"].items():
         if name not in position:
             continue
@@ -232,8 +236,15 @@ def to_local_optim_state(
                 local = value.local.view(params[pos].shape)
                 converted[key] = local.clone() if copy else local
             else:
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.dim() > 0
+                    and param_shard(params[pos]) is not None
+                ):
+                    kept_whole.add((id(params[pos]), key))  # whole state of a whole-tensor optimizer
                 converted[key] = value.clone() if isinstance(value, torch.Tensor) else value
         state[pos] = converted
+    note_loaded_whole(optimizer, kept_whole)
     groups = [
         dict(g, params=[position[n] for n in now_g]) for g, now_g in zip(saved_groups, now, strict=True)
     ]

@@ -80,8 +80,10 @@ __all__ = [
     "explaining_step_errors",
     "is_whole_tensor_optimizer",
     "last_exchange",
+    "note_loaded_whole",
     "register_whole_tensor_optimizer",
     "states_as_pieces",
+    "whole_state_keys",
     "whole_tensor_classes",
 ]
 
@@ -520,7 +522,16 @@ def install_hooks() -> None:
 # load, the pieces every rank received go to the owners (one all-to-all) and are whole again. A checkpoint of
 # such an optimizer is therefore the one an elementwise optimizer's would be: the plain format in a full file,
 # DCP-native pieces in a directory, loadable on any world size and under DDP. State tensors of another shape
-# (Adafactor's row and column statistics) cannot be cut like the parameter: saving them is refused, naming them.
+# (Adafactor's row and column statistics, Shampoo's preconditioners of a non-square matrix) cannot be cut like
+# the parameter: the owner broadcasts them for the save, so that they are replicated state like ``step`` (whole
+# in a full file, one whole tensor in a directory), each rank holding them whole while the save reads them. A
+# loader that puts such a tensor in whole (its shape is not the parameter's) says so (note_loaded_whole);
+# after_load keeps it on the owner only.
+
+
+# while a save reads the state (states_as_pieces), and from a load until after_load: see whole_state_keys
+_WHOLE_STATE: WeakKeyDictionary[torch.optim.Optimizer, set[tuple[int, str]]] = WeakKeyDictionary()
+_LOADED_WHOLE: WeakKeyDictionary[torch.optim.Optimizer, set[tuple[int, str]]] = WeakKeyDictionary()
 
 
 def _state_plan(optimizer: torch.optim.Optimizer) -> _Plan | None:
@@ -541,6 +552,7 @@ def states_as_pieces(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         yield
         return
     stashed: dict[int, tuple[torch.nn.Parameter, dict[str, Any] | None]] = {}
+    whole_keys: set[tuple[int, str]] = set()
     for g in plan.groups:
         meta: dict[int, dict[str, Any]] = {}
         for n, q in enumerate(g.params):
@@ -552,13 +564,7 @@ def states_as_pieces(optimizer: torch.optim.Optimizer) -> Iterator[None]:
                 if isinstance(value, torch.Tensor) and value.shape == q.shape and value.dim() > 0:
                     entry[key] = ("piece", value.dtype)
                 elif isinstance(value, torch.Tensor) and value.dim() > 0:
-                    raise NotImplementedError(
-                        f"{type(optimizer).__name__}'s state {key!r} of a sharded parameter has shape "
-                        f"{tuple(value.shape)}, not the parameter's {tuple(q.shape)}: it cannot be saved in pieces "
-                        "yet. HINT: save without the optimizer's state (ModelCheckpoint(save_weights_only=True), or "
-                        "no optimizer in save_checkpoint), or use an optimizer whose state is shaped like its "
-                        "parameters (torch.optim.Muon)."
-                    )
+                    entry[key] = ("whole", value.dtype, tuple(value.shape))
                 else:
                     entry[key] = ("value", value)
             meta[n] = entry
@@ -587,15 +593,36 @@ def states_as_pieces(optimizer: torch.optim.Optimizer) -> Iterator[None]:
             ]
             for k, piece in _from_owners(g, entries, dtype, "optimizer state pieces for a save").items():
                 pieces[keyed[k]] = piece.to(g.params[keyed[k][0]].handle.sharded.device)
+        for n, e in sorted(everyone.items()):  # other shapes: the owner's tensor, replicated
+            q = g.params[n]
+            for key, kind in sorted(e.items()):
+                if kind[0] != "whole":
+                    continue
+                mine = optimizer.state[q.param][key] if q.owner == g.rank else None
+                box = (
+                    mine.to(g.device)
+                    if mine is not None
+                    else torch.empty(kind[2], dtype=kind[1], device=g.device)
+                )
+                work = dist.broadcast(
+                    box, src=dist.get_global_rank(g.group, q.owner), group=g.group, async_op=True
+                )
+                watchdog.wait_collective(
+                    work, "broadcast of whole optimizer state for a save", g.group, "broadcast"
+                )
+                pieces[(n, key)] = mine if mine is not None else box.to(q.handle.sharded.device)
+                whole_keys.add((id(q.param), key))
         for n, e in everyone.items():
             q = g.params[n]
             stashed[id(q.param)] = (q.param, optimizer.state.get(q.param) if q.owner == g.rank else None)
             optimizer.state[q.param] = {
-                key: pieces[(n, key)] if kind[0] == "piece" else kind[1] for key, kind in e.items()
+                key: pieces[(n, key)] if kind[0] in ("piece", "whole") else kind[1] for key, kind in e.items()
             }
+    _WHOLE_STATE[optimizer] = whole_keys
     try:
         yield
     finally:
+        _WHOLE_STATE.pop(optimizer, None)
         for p, whole in stashed.values():
             if whole is not None:
                 optimizer.state[p] = whole
@@ -603,20 +630,42 @@ def states_as_pieces(optimizer: torch.optim.Optimizer) -> Iterator[None]:
                 optimizer.state.pop(p, None)
 
 
+def whole_state_keys(optimizer: torch.optim.Optimizer) -> set[tuple[int, str]]:
+    """Inside :func:`states_as_pieces`: ``(id(parameter), key)`` of the state tensors of sharded parameters that
+    are whole (not shaped like their parameter, so not cut into pieces) and replicated on every rank."""
+    return _WHOLE_STATE.get(optimizer, set())
+
+
+def note_loaded_whole(optimizer: torch.optim.Optimizer, keys: set[tuple[int, str]]) -> None:
+    """A loader's record, for the next :func:`after_load`: ``(id(parameter), key)`` of the state tensors of sharded
+    parameters it put in whole (not cut like their parameter)."""
+    _LOADED_WHOLE[optimizer] = keys
+
+
 def after_load(optimizer: torch.optim.Optimizer) -> None:
     """After a load put state in pieces into the optimizer on every rank: make it whole on the owners again
-    (collective; see [Note: saving whole-tensor optimizer state])."""
+    (collective; see [Note: saving whole-tensor optimizer state]). State the loader put in whole (see
+    :func:`note_loaded_whole`) stays whole on the owner and is dropped elsewhere."""
+    loaded_whole = _LOADED_WHOLE.pop(optimizer, set())
     plan = _state_plan(optimizer)
     if plan is None:
         return
     for g in plan.groups:
         loaded = [(n, q) for n, q in enumerate(g.params) if optimizer.state.get(q.param)]
-        keys = {
-            n: sorted(
-                k for k, v in optimizer.state[q.param].items() if isinstance(v, torch.Tensor) and v.dim() > 0
-            )
-            for n, q in loaded
-        }
+        keys: dict[int, list[str]] = {}
+        for n, q in loaded:
+            keys[n] = []
+            for k, v in sorted(optimizer.state[q.param].items()):
+                if not isinstance(v, torch.Tensor) or v.dim() == 0 or (id(q.param), k) in loaded_whole:
+                    continue
+                if v.numel() != q.counts[g.rank]:
+                    raise ValueError(
+                        f"{type(optimizer).__name__}'s loaded state {k!r} of a sharded parameter of shape "
+                        f"{tuple(q.shape)} has {v.numel()} elements on rank {g.rank} of its shard group, its piece "
+                        f"{q.counts[g.rank]}. HINT: load optimizer state through flatshard.load_checkpoint or "
+                        "flatshard.set_state_dict, which cut it for this layout."
+                    )
+                keys[n].append(k)
         dtypes = sorted({optimizer.state[q.param][k].dtype for n, q in loaded for k in keys[n]}, key=str)
         wholes: dict[tuple[int, str], torch.Tensor] = {}
         for dtype in dtypes:
