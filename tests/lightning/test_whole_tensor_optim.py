@@ -18,6 +18,7 @@ import flatshard
 from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT, make_batch
 
+from ..exact_muon import use_float32_newton_schulz
 from .lit_common import (
     LossRecorder,
     assert_same_optimizer_state,
@@ -26,6 +27,8 @@ from .lit_common import (
     make_loader,
     make_trainer,
 )
+
+use_float32_newton_schulz()  # exact parity: see tests/exact_muon.py
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon (torch >= 2.9)")
 
