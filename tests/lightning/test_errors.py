@@ -381,3 +381,34 @@ def test_checkpoint_error_is_a_value_error(tmp_path: Path) -> None:
         load_checkpoint_file(empty)
     with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "nope.ckpt"))):
         load_checkpoint_file(os.fspath(tmp_path / "nope.ckpt"))
+
+
+@pytest.mark.parametrize("cls", ["FlatShardStrategy", "FlatShardFabricStrategy"])
+def test_fsdp_strategy_arguments_are_taken_or_explained(cls: str) -> None:
+    """FSDPStrategy configurations move over as they are: the same meaning is accepted, the rest named with what
+    to do instead."""
+    strategy = getattr(flatshard, cls)
+    strategy(use_orig_params=True)  # flatshard's only behaviour
+    for layers in (Block, [Block]):  # Lightning's older name for activation_checkpointing_policy
+        check = strategy(activation_checkpointing=layers).options.shard_options(torch.device("cpu"))
+        assert check.activation_checkpointing_policy(Block()), layers
+        assert not check.activation_checkpointing_policy(torch.nn.Linear(2, 2)), layers
+    with pytest.raises(TypeError, match="both activation_checkpointing and activation_checkpointing_policy"):
+        strategy(activation_checkpointing=Block, activation_checkpointing_policy={Block})
+    for kwargs, hint in (
+        ({"use_orig_params": False}, "always keeps the original Parameter objects"),
+        ({"device_id": 0}, "the device the Trainer or Fabric gives it"),
+        ({"ignored_modules": []}, "flatshard.shard(module, ignored_modules="),
+    ):
+        with pytest.raises(TypeError, match="Lightning's FSDPStrategy takes it") as err:
+            strategy(**kwargs)
+        assert hint in str(err.value) and "HINT" in str(err.value), err.value
+
+
+def test_a_full_file_given_as_a_sharded_checkpoint_says_what_it_is(tmp_path: Any) -> None:
+    path = tmp_path / "full.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(2)}}, path)
+    with pytest.raises(flatshard.CheckpointError, match="it is a full checkpoint file") as err:
+        flatshard.consolidate(path, tmp_path / "out.ckpt")
+    assert "interrupted" not in str(err.value) and "OUT.safetensors" in str(err.value), err.value
+    assert not (tmp_path / "out.ckpt").exists()

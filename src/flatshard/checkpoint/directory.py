@@ -36,6 +36,7 @@ import io
 import logging
 import os
 import warnings
+import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -430,9 +431,20 @@ class ShardedReader:
             )
         if not path.exists():
             raise FileNotFoundError(f"Checkpoint {path} does not exist. HINT: check the path.")
+        if path.is_file():
+            kind = (
+                "a full checkpoint file (torch.save), already one file"
+                if zipfile.is_zipfile(path)
+                else "a file, not a directory"
+            )
+            raise CheckpointError(
+                f"{path} is not a sharded checkpoint directory: it is {kind}. HINT: load a full file directly "
+                "(flatshard.load_checkpoint, fit(ckpt_path=...), torch.load); `flatshard consolidate FILE "
+                "OUT.safetensors` exports its weights. Nothing was loaded."
+            )
         raise CheckpointError(
-            f"{path} is not a sharded checkpoint: it has no .metadata file (an interrupted save, or the "
-            "wrong directory). HINT: use an earlier checkpoint. Nothing was loaded."
+            f"{path} is not a sharded checkpoint: the directory has no .metadata file (an interrupted save, or "
+            "the wrong directory). HINT: use an earlier checkpoint. Nothing was loaded."
         )
 
     @staticmethod

@@ -60,7 +60,8 @@ def _model_targets(
         raise CheckpointError(
             f"Sharded checkpoint {reader.path} does not match {type(module).__name__}: missing keys "
             f"{missing[:8]} ({len(missing)}), unexpected keys {unexpected[:8]} ({len(unexpected)}). HINT: load a "
-            "checkpoint of the same model architecture, or pass strict=False. Nothing was loaded."
+            "checkpoint of the same model architecture, or pass strict=False (with the Trainer: self.strict_loading = "
+            "False in the LightningModule). Nothing was loaded."
         )
     live = local_param_targets(module)
     targets: dict[str, Any] = {}
@@ -210,7 +211,8 @@ def _check_stray_state(
         raise CheckpointError(
             f"Sharded checkpoint {reader.path}: optimizer #{k} state holds entries for parameters the optimizer "
             f"does not have: {stray[:8]} ({len(stray)} in all). HINT: load a checkpoint of the same model and "
-            "optimizer, or pass strict=False to skip them. Nothing was loaded."
+            "optimizer, or pass strict=False to skip them (with the Trainer: self.strict_loading = False in the "
+            "LightningModule). Nothing was loaded."
         )
 
 

@@ -43,7 +43,7 @@ def check_required(path: object, extra: Mapping[str, Any], required: Collection[
     if missing:
         raise KeyError(
             f"Checkpoint {path} has no entries {missing}; nothing was loaded. HINT: pass strict=False to skip "
-            "them."
+            "them (with the Trainer: self.strict_loading = False in the LightningModule)."
         )
 
 

@@ -201,6 +201,7 @@ class StrategyOptions:
         """
         who = strategy.__name__ if strategy is not None else "the flatshard strategy"
         taken = _taken_options(strategy) if strategy is not None else strategy_option_names()
+        arguments = _from_fsdp_arguments(arguments, who)
         unknown = sorted(set(arguments) - set(taken) - set(SHELL_ARGUMENTS) - _LOCALS)
         if unknown:
             omitted: Mapping[str, str] = getattr(strategy, "__options_omitted__", {})
@@ -352,6 +353,51 @@ SHELL_ARGUMENTS: dict[str, str] = {
 }
 _LOCALS = frozenset({"self", "__class__"})
 _SET_BY_STRATEGY = frozenset({"device"})  # ShardOptions fields a strategy sets itself
+
+
+# Arguments of Lightning's FSDPStrategy (and torch FSDP's, which it passes on) that flatshard's strategies do not
+# take under that name: what each means here. Users move FSDPStrategy configurations over as they are.
+_FSDP_ONLY: dict[str, str] = {
+    "use_orig_params": "flatshard always keeps the original Parameter objects (use_orig_params=True is its only "
+    "behaviour): drop the argument",
+    "device_id": "each rank runs on the device the Trainer or Fabric gives it (devices=...): drop the argument",
+    "ignored_modules": "the strategies shard every module's parameters; flatshard.shard(module, "
+    "ignored_modules=[...]) takes it in plain PyTorch, or freeze those parameters (requires_grad=False)",
+    "ignored_states": "the strategies shard every module's parameters; flatshard.shard(module, "
+    "ignored_modules=[...]) takes the modules in plain PyTorch",
+}
+
+
+def _from_fsdp_arguments(arguments: Mapping[str, Any], who: str) -> Mapping[str, Any]:
+    """FSDPStrategy's names with the same meaning here, as flatshard's: ``use_orig_params=True`` (dropped) and
+    ``activation_checkpointing`` (``activation_checkpointing_policy``); the others of :data:`_FSDP_ONLY` are a
+    ``TypeError`` saying what to do instead."""
+    if not any(name in arguments for name in (*_FSDP_ONLY, "activation_checkpointing")):
+        return arguments
+    out = dict(arguments)
+    if out.get("use_orig_params", False) is True:
+        del out["use_orig_params"]
+    if "activation_checkpointing" in out:
+        layers = out.pop("activation_checkpointing")
+        if out.get("activation_checkpointing_policy") is not None and layers is not None:
+            raise TypeError(
+                f"{who} got both activation_checkpointing and activation_checkpointing_policy. HINT: pass one: "
+                "activation_checkpointing_policy={Block} (activation_checkpointing is its older name in "
+                "Lightning's FSDPStrategy)."
+            )
+        if layers is not None:
+            out["activation_checkpointing_policy"] = (
+                set(layers) if isinstance(layers, (list, tuple, set)) else {layers}
+            )
+    bad = [name for name in _FSDP_ONLY if name in out]
+    if bad:
+        raise TypeError(
+            f"{', '.join(f'{n}={out[n]!r}' for n in bad)} {'is' if len(bad) == 1 else 'are'} not an option of {who} "
+            f"(Lightning's FSDPStrategy takes {'it' if len(bad) == 1 else 'them'}). HINT: "
+            + "; ".join(f"{n}: {_FSDP_ONLY[n]}" for n in bad)
+            + "."
+        )
+    return out
 
 
 def _closest(name: str, taken: list[str]) -> str:

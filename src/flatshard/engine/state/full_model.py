@@ -198,7 +198,8 @@ def check_full_model_state_dict(
             f"{source} does not match {type(module).__name__}: "
             + "; ".join(problems)
             + ". HINT: load a checkpoint of the same model architecture, or pass strict=False to skip missing "
-            "and unexpected keys. Nothing was loaded."
+            "and unexpected keys (with the Trainer: self.strict_loading = False in the LightningModule). Nothing "
+            "was loaded."
         )
     return expected
 

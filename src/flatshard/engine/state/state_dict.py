@@ -160,7 +160,8 @@ def _set_sharded_state_dict(
         if strict and (missing or unexpected):
             raise ValueError(
                 f"Sharded state does not match {type(module).__name__}: missing keys {missing[:8]}, unexpected "
-                f"keys {unexpected[:8]}. HINT: pass strict=False to skip them. Nothing was loaded."
+                f"keys {unexpected[:8]}. HINT: pass strict=False to skip them (with the Trainer: "
+                "self.strict_loading = False in the LightningModule). Nothing was loaded."
             )
         for key, value in model_state.items():
             if key not in live:
