@@ -36,6 +36,7 @@ from flatshard.registration import install as _install_registration
 from flatshard.version import __version__
 
 if TYPE_CHECKING:
+    from flatshard.estimator import estimate
     from flatshard.lightning import FlatShardFabricStrategy, FlatShardStrategy
 
 
@@ -52,6 +53,10 @@ def __getattr__(name: str) -> Any:
             stacklevel=2,
         )
         return EMA
+    if name == "estimate":  # the estimator is imported when first used: see flatshard/estimator/
+        from flatshard.estimator import estimate
+
+        return estimate
     if name in ("FlatShardStrategy", "FlatShardFabricStrategy", "lightning"):
         import flatshard.lightning
 
@@ -74,6 +79,7 @@ __all__ = [
     "__version__",
     "clip_grad_norm_",
     "consolidate",
+    "estimate",
     "get_state_dict",
     "is_sharded",
     "join",

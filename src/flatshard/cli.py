@@ -2,6 +2,8 @@
 
 - ``flatshard inspect CKPT`` summarises a checkpoint (a full file or a sharded directory): training
   progress, every parameter's shape and dtype, the optimizer states, and whether it is readable at all.
+- ``flatshard estimate TARGET --world-size 8,64,512`` estimates per-rank memory and step communication of a
+  model built on the meta device, before any GPU is rented: see ``flatshard/estimator/``.
 - ``flatshard consolidate DIR OUT.ckpt`` turns a sharded checkpoint directory into one full checkpoint
   file (a plain Lightning checkpoint), on one process, without a GPU or a process group.
   ``flatshard consolidate SRC OUT.safetensors`` writes the model weights only (SRC a directory or a full
@@ -164,7 +166,7 @@ def _consolidate_to(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flatshard", description="flatshard checkpoint tools")
+    parser = argparse.ArgumentParser(prog="flatshard", description="flatshard checkpoint and planning tools")
     sub = parser.add_subparsers(dest="command", required=True)
     inspect = sub.add_parser("inspect", help="summarise a checkpoint (full file or sharded directory)")
     inspect.add_argument("checkpoint", help="a .ckpt file or a sharded checkpoint directory (path or URL)")
@@ -198,7 +200,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="with several EMA states: the callback state key to export (implies --ema)",
     )
+    from flatshard.estimator.command import add_parser as add_estimate
+    from flatshard.estimator.command import run as run_estimate
+
+    add_estimate(sub)
     args = parser.parse_args(argv)
+    if args.command == "estimate":
+        return run_estimate(args)
     if args.command == "inspect":
         try:
             return _inspect(args.checkpoint, args.all)

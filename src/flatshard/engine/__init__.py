@@ -6,7 +6,8 @@ submodule. Layout (see ``docs/concepts.md`` for a map by question):
 
 - the core: ``config`` (options), ``shard`` (the entry point), ``flat_param`` (index math), ``handle`` (one
   unit's flat parameter: the gather path), ``gradients`` (the gradient path), ``precision``, ``runtime``
-  (the hooks), ``exec_order`` (prefetch order);
+  (the hooks), ``exec_order`` (prefetch order), ``unit_layout`` (a sharded module's layout as records, for
+  planning tools);
 - ``setup/``: what ``shard()`` does once: unit planning, materializing, process groups, activation
   checkpointing;
 - ``calls/``: calling a sharded model beyond forward: other methods (``generate``), ``torch.compile``,
@@ -77,9 +78,10 @@ from flatshard.engine.step.whole_tensor import (
     register_whole_tensor_optimizer,
     whole_tensor_classes,
 )
-from flatshard.engine.transport.comm import global_rank, uses_nccl
+from flatshard.engine.transport.comm import comm_stats, global_rank, timeline, uses_nccl
 from flatshard.engine.transport.processes import ProcessId
 from flatshard.engine.transport.watchdog import DesyncError, wait_collective
+from flatshard.engine.unit_layout import UnitLayout, gathered_buffers, unit_layouts, whole_tensor_owners
 
 __all__ = [
     "EMA",
@@ -97,12 +99,14 @@ __all__ = [
     "ProcessId",
     "ShardOptions",
     "ShardingStrategy",
+    "UnitLayout",
     "begin_backward_in_forward",
     "begin_join",
     "check_decay",
     "check_full_model_state_dict",
     "clip_grad_norm_",
     "clip_grad_norm_params_",
+    "comm_stats",
     "compile_kwargs",
     "compile_units",
     "convert_full_optim_state_dict",
@@ -112,6 +116,7 @@ __all__ = [
     "forward_call",
     "full_model_state_dict",
     "full_optim_state_dict",
+    "gathered_buffers",
     "get_state_dict",
     "global_rank",
     "is_forward_method",
@@ -139,11 +144,14 @@ __all__ = [
     "sharded_model_state_dict",
     "sharded_optim_state_dict",
     "stand_in",
+    "timeline",
     "to_local_model_state",
     "to_local_optim_state",
+    "unit_layouts",
     "unit_states",
     "unshard_params",
     "uses_nccl",
     "wait_collective",
     "whole_tensor_classes",
+    "whole_tensor_owners",
 ]

@@ -107,8 +107,12 @@ def shard(
         # torch.distributed collective, where no flatshard wait can report the desync.
         for group in groups:
             shm.shm_group(group)
-    deferred = any(has_meta_tensors(m, recurse=False) for m in module.modules() if m not in ignored)
-    if param_init_fn is not None and not deferred:
+    # A meta target is a dry run: nothing is materialized (see [Note: sharding on the meta device]).
+    dry_run = target.type == "meta"
+    deferred = not dry_run and any(
+        has_meta_tensors(m, recurse=False) for m in module.modules() if m not in ignored
+    )
+    if param_init_fn is not None and not deferred and not dry_run:
         warnings.warn(
             "shard(param_init_fn=...) was given but no parameter or buffer is on the meta device, so it is not "
             "called. HINT: build the model under torch.device('meta') (or trainer.init_module(empty_init=True)).",
@@ -164,6 +168,16 @@ def shard(
     seal_enclosing_forwards(module)  # see [Note: torch.compile]
     memory.trim_heap()  # see [Note: returning the replaced parameters]
     return module
+
+
+# [Note: sharding on the meta device]
+# ``shard(module, device=torch.device("meta"))`` on a module built on the meta device is a dry run: every step of
+# ``shard()`` runs as usual (unit planning, flat layouts, shards, hooks, activation checkpointing) but nothing is
+# materialized and no tensor holds memory. Under a process group of torch's "fake" backend (collectives that move
+# nothing) forward, backward and the optimizer step then run through the real hooks: the same gathers, frees,
+# prefetches and reductions in the same order, with the same byte counts in ``comm_stats``, at any world size, in
+# one process. ``flatshard.estimate`` measures memory and communication that way. Nothing computed on the meta
+# device has values: it is for planning only.
 
 
 def _by_dtype(params: list[nn.Parameter]) -> dict[torch.dtype, list[int]]:

@@ -1,0 +1,455 @@
+"""``flatshard.estimate``: per-rank memory and step communication of a model on N ranks, before running it.
+
+[Note: estimating a step]
+Nothing here re-derives the engine's layout. For each world size the model is built on the meta device and
+sharded by ``shard()`` itself, on the meta device, over a process group of torch's "fake" backend of that size
+(this process is its rank 0; see [Note: sharding on the meta device]). Units, flat sizes, padding, shards,
+mixed-precision dtypes, activation checkpointing and hybrid groups are then the engine's own, read back as
+:class:`flatshard.engine.UnitLayout` records:
+
+- parameters: the rank's shards; gradients: its gradient shards (the largest over the ranks of a shard group:
+  with frozen parameters ranks differ); optimizer state: what the optimizer's step makes on the meta shards
+  (AdamW: two tensors of the shard's dtype per trainable piece, SGD with momentum one, SGD none), except for
+  Muon, whose momentum is whole on each matrix's owner rank: owners come from the engine's plan
+  (:func:`flatshard.engine.whole_tensor_owners`), the busiest rank is reported, and the owner's copy of each
+  whole value is counted with it.
+- with an example batch, two training steps run in Lightning's order (forward and loss, ``zero_grad``,
+  backward, optimizer step) through the real hooks: gathers, prefetches (recorded in the first step, used in
+  the second), frees, recomputation, reductions. The second step is measured by a storage tracker (see [Note:
+  what the memory tracker measures]): its peak, the most gathered-parameter bytes alive at once, and the
+  activations (bytes the end of forward holds beyond its start, gathered parameters excepted). The
+  communication bytes are the engine's own ``comm_stats`` of that step, so they are what a real rank counts.
+  On the meta device every collective and every free completes in program order, as on CPU ranks; that is the
+  ``device="cpu"`` estimate, and the one the measured checks compare with real gloo runs.
+- ``device="cuda"`` adds what a GPU holds beyond program order: the all-gather limiter lets the CPU free
+  buffers the GPU still reads, at most two all-gathers ahead (see [Note: rate limiter]), so under FULL_SHARD
+  the two largest non-root units' buffers are added ("allocator lag"; without ``limit_all_gathers``, every
+  non-root unit's), and a fixed ``overhead`` for the CUDA context and the communication library (1 GiB by
+  default). The caching allocator's fragmentation is not modelled.
+- without an example batch there is no step to run: the gathered parameters in flight come from the schedule
+  rules (FULL_SHARD: the root plus the two largest other units, current and prefetched; SHARD_GRAD_OP and
+  copies under NO_SHARD: every unit, gathered from its forward to its backward), one unit's unsharded gradient
+  is added for the reduction in flight, activations are not counted, and communication is counted per unit
+  assuming each unit's forward runs once.
+- CPU offload is accounted from the dry run without offload: shards, gradient shards and optimizer state move
+  to host memory, and two shards' copies in the compute dtype (the per-gather copy to the device) are added.
+  It is not measured.
+
+Every rank of a shard group holds the same shard sizes; rank 0 holds no padding, so its elementwise optimizer
+state is the largest. Activations depend on the per-rank batch only, not on the world size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from flatshard.engine import OptionErrors, ShardOptions, UnitLayout
+from flatshard.estimator.dry_run import Measured, dry_run, itemsize
+from flatshard.estimator.options import EstimateOptions, Link, parse_bytes, parse_link
+from flatshard.estimator.target import EstimateError, resolve_factory
+from flatshard.estimator.timing import collective_seconds, step_time
+
+__all__ = ["Estimate", "RankEstimate", "estimate"]
+
+
+@dataclass
+class RankEstimate:
+    """The estimate at one world size (and shard group size): bytes per rank, communication per step."""
+
+    world_size: int
+    shard_group_size: int | None
+    units: int
+    largest_unit: str
+    largest_unit_numel: int
+    params: int
+    grads: int
+    optimizer: int
+    buffers: int
+    gathered: int  # gathered parameters alive at once (program order)
+    allocator_lag: int  # CUDA: buffers freed by the CPU that the GPU still reads
+    activations: int | None
+    other_transient: int  # unsharded gradients in flight, casts, temporaries at the peak
+    overhead: int
+    peak: int
+    host: int  # CPU offload: bytes in host memory
+    measured: bool  # whether a step ran (an example batch was given)
+    comm: dict[str, int]  # bytes this rank sends per step, by collective kind
+    comm_by_group: dict[str, int]  # the same, by process group: "shard" / "replicate"
+    wire: int  # bytes this rank puts on its links per step (ring collectives; see [Note: the communication time model])
+    optimizer_exchange: int  # whole-tensor optimizers: bytes sent to and from owners per step (estimated)
+    flops: int
+    compute_s: float | None = None
+    communication_s: float | None = None
+    exposed_s: float | None = None
+    step_s: float | None = None
+    capacity: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.capacity is None else self.peak <= self.capacity
+
+    @property
+    def persistent(self) -> int:
+        """Device bytes that stay between steps and shrink with more ranks (shards, gradient shards, optimizer
+        state; with CPU offload only the gradient shards in flight to the host)."""
+        return self.grads if self.host else self.params + self.grads + self.optimizer
+
+
+@dataclass
+class Estimate:
+    """Everything :func:`estimate` found; ``rows`` one per world size (and shard group size)."""
+
+    target: str
+    options: dict[str, Any]
+    rows: list[RankEstimate]
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "target": self.target,
+                "options": self.options,
+                "rows": [dict(asdict(r), fits=r.fits) for r in self.rows],
+            },
+            indent=2,
+        )
+
+    def diagnosis(self) -> str | None:
+        """Why nothing fits and what would, or ``None`` when some row fits (or no capacity is set)."""
+        if not self.rows or any(r.fits is not False for r in self.rows):
+            return None
+        row = max(self.rows, key=lambda r: (r.world_size, -r.peak))
+        return _diagnose(row)
+
+
+def format_bytes(n: float | None) -> str:
+    """``1.50 GiB``, ``12.00 MiB``, ``512 B``; ``-`` for ``None``."""
+    if n is None:
+        return "-"
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+_gib = format_bytes
+
+
+def _diagnose(row: RankEstimate) -> str:
+    cap = row.capacity or 0
+    fixed = row.peak - row.persistent  # what more ranks do not shrink
+    parts = [
+        ("parameter shards", row.params),
+        ("gradient shards", row.grads),
+        ("optimizer state", row.optimizer),
+        ("gathered units", row.gathered + row.allocator_lag),
+        ("activations", row.activations or 0),
+        ("other transient memory", row.other_transient),
+        ("overhead", row.overhead),
+    ]
+    largest = max(parts, key=lambda p: p[1])
+    lines = [
+        f"the model does not fit in {_gib(cap)} per device even at {row.world_size} ranks: the peak is "
+        f"{_gib(row.peak)} per rank, the largest part {largest[0]} ({_gib(largest[1])})."
+    ]
+    hints = []
+    if row.persistent and fixed < cap:
+        needed = math.ceil(row.world_size * row.persistent / (cap - fixed))
+        hints.append(f"more ranks: about {needed} (the shards shrink with ranks; {_gib(fixed)} does not)")
+    elif row.persistent:
+        hints.append(
+            f"more ranks alone cannot help: {_gib(fixed)} per rank does not shrink with ranks (gathered units, "
+            "activations, overhead)"
+        )
+    if row.persistent and not row.host:
+        hints.append(
+            f"--cpu-offload moves {_gib(row.persistent)} of shards and optimizer state to host memory"
+        )
+    if row.activations:
+        hints.append(
+            f"activation checkpointing (--checkpoint BlockClass) or a smaller per-rank batch shrinks the "
+            f"{_gib(row.activations)} of activations"
+        )
+    if row.gathered + row.allocator_lag > cap / 4:
+        hints.append(
+            f"smaller units (--wrap with finer classes): the largest unit, {row.largest_unit}, alone holds "
+            f"{row.largest_unit_numel:,} parameters when gathered"
+        )
+    return " ".join(lines) + " HINT: " + "; ".join(hints) + "."
+
+
+def _layout_comm(layouts: list[UnitLayout], reshard_root: bool) -> dict[str, int]:
+    """Bytes per rank per step from the layout, each unit's forward running once (see the module note)."""
+    out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    for L in layouts:
+        if L.shard_world > 1:
+            gathers = 2 if (L.reshard_after_forward and (not L.is_root or reshard_root)) else 1
+            out["all_gather"] += gathers * L.shard_numel * itemsize(L.compute_dtype)
+        if not any(L.trainable):
+            continue
+        chunk = L.reduce_chunk * itemsize(L.reduce_dtype)
+        if L.shard_world > 1:
+            out["reduce_scatter"] += chunk * L.shard_world
+        if L.replicate_world > 1:
+            out["all_reduce"] += chunk
+    return {k: v for k, v in out.items() if v}
+
+
+def _gathered_bytes(L: UnitLayout) -> int:
+    return L.padded_numel * itemsize(L.compute_dtype) if L.gathers else 0
+
+
+def _scheduled_gathered(layouts: list[UnitLayout], opts: ShardOptions) -> int:
+    """Gathered bytes in flight by the schedule rules, without a step to measure (see the module note)."""
+    root = sum(_gathered_bytes(L) for L in layouts if L.is_root)
+    others = sorted((_gathered_bytes(L) for L in layouts if not L.is_root), reverse=True)
+    if any(L.reshard_after_forward for L in layouts):
+        prefetch = opts.backward_prefetch is not None or opts.forward_prefetch
+        return root + sum(others[: 2 if prefetch else 1])
+    return root + sum(others)
+
+
+def _lag(layouts: list[UnitLayout], opts: ShardOptions, device: str) -> int:
+    if device != "cuda" or not any(L.reshard_after_forward and L.shard_world > 1 for L in layouts):
+        return 0
+    others = sorted((_gathered_bytes(L) for L in layouts if not L.is_root), reverse=True)
+    return sum(others[:2]) if opts.limit_all_gathers else sum(others)
+
+
+def _exchange(layouts: list[UnitLayout], spec: str | type) -> int:
+    """Muon: bytes a rank sends per step to and from owners, ``2 P (N-1) / N**2`` (see [Note: whole-tensor
+    optimizers]), for the 2-D parameters of sharded units."""
+    if spec != "muon":
+        return 0
+    total = 0
+    for L in layouts:
+        if L.shard_world > 1:
+            n = L.shard_world
+            numel = sum(
+                int(s.numel()) for s, t in zip(L.shapes, L.trainable, strict=True) if t and len(s) == 2
+            )
+            total += int(2 * numel * (n - 1) / n**2) * itemsize(L.param_dtype)
+    return total
+
+
+def _wire(comm: dict[str, int], layouts: list[UnitLayout]) -> int:
+    """What a rank sends on its links for ``comm_stats``-style counts: a ring all-gather sends ``(W-1)`` shards,
+    a reduce-scatter ``(W-1)/W`` of its input, an all-reduce twice that."""
+    shard = max((L.shard_world for L in layouts), default=1)
+    replicate = max((L.replicate_world for L in layouts), default=1)
+    sent = (shard - 1) * comm.get("all_gather", 0) + (shard - 1) / shard * comm.get("reduce_scatter", 0)
+    sent += 2 * (replicate - 1) / replicate * comm.get("all_reduce", 0)
+    return int(sent)
+
+
+def _describe_precision(options: ShardOptions) -> str:
+    mp = options.mixed_precision
+    if mp is None:
+        return "full precision"
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    compute = name.get(mp.param_dtype, str(mp.param_dtype)) if mp.param_dtype else "param dtype"
+    reduce = mp.reduce_dtype or mp.param_dtype
+    return f"compute {compute}, reduce {name.get(reduce, str(reduce)) if reduce else 'param dtype'}"
+
+
+def _row(m: Measured, opts: EstimateOptions) -> RankEstimate:
+    shard_opts = opts.shard
+    layouts = m.layouts
+    largest = max(layouts, key=lambda L: L.numel)
+    lag = _lag(layouts, shard_opts, opts.device)
+    overhead = int(opts.overhead or 0)
+    notes = [m.optimizer_note] if m.optimizer_note else []
+    if m.peak is not None:
+        gathered = int(m.gathered_max or 0)
+        peak = m.peak + lag + overhead
+        activations = m.activations
+        comm = dict(m.comm)
+        known = m.params + m.grads + m.optimizer + m.buffers + gathered + (activations or 0)
+        other = max(0, m.peak - known)
+    else:
+        gathered = _scheduled_gathered(layouts, shard_opts)
+        grad_in_flight = max(
+            (L.padded_numel * itemsize(L.reduce_dtype) for L in layouts if any(L.trainable)), default=0
+        )
+        other = grad_in_flight
+        activations = None
+        comm = _layout_comm(layouts, shard_opts.reshard_root_after_forward)
+        peak = m.params + m.grads + m.optimizer + m.buffers + gathered + other + lag + overhead
+        notes.append("no example batch: activations not counted, gathered units from the schedule rules")
+    host = 0
+    if shard_opts.cpu_offload:
+        host = m.params + m.grads + m.optimizer
+        copies = sorted((L.shard_numel * itemsize(L.compute_dtype) for L in layouts), reverse=True)[:2]
+        peak = peak - m.params - m.optimizer + sum(copies)
+        notes.append(
+            "CPU offload: shards, gradient shards and optimizer state in host memory (derived, not measured)"
+        )
+    by_group = {
+        "shard": comm.get("all_gather", 0) + comm.get("reduce_scatter", 0),
+        "replicate": comm.get("all_reduce", 0),
+    }
+    row = RankEstimate(
+        world_size=m.world,
+        shard_group_size=m.shard_group_size,
+        units=len({L.path for L in layouts}),
+        largest_unit=largest.path,
+        largest_unit_numel=largest.numel,
+        params=m.params,
+        grads=m.grads,
+        optimizer=m.optimizer,
+        buffers=m.buffers,
+        gathered=gathered,
+        allocator_lag=lag,
+        activations=activations,
+        other_transient=other,
+        overhead=overhead,
+        peak=peak,
+        host=host,
+        measured=m.peak is not None,
+        comm=comm,
+        comm_by_group={k: v for k, v in by_group.items() if v},
+        wire=_wire(comm, layouts),
+        optimizer_exchange=_exchange(layouts, opts.optimizer),
+        flops=m.flops,
+        capacity=opts.capacity,
+        notes=notes,
+    )
+    _add_timing(row, m, opts)
+    return row
+
+
+def _add_timing(row: RankEstimate, m: Measured, opts: EstimateOptions) -> None:
+    if opts.link is None:
+        return
+    shard_world = max((L.shard_world for L in m.layouts), default=1)
+    replicate_world = max((L.replicate_world for L in m.layouts), default=1)
+    replicate_link = opts.replicate_link or opts.link
+    if m.peak is not None:
+        t = step_time(
+            m.collectives, m.flops, opts.tflops, shard_world, replicate_world, opts.link, replicate_link
+        )
+        row.compute_s, row.communication_s, row.exposed_s, row.step_s = t
+        return
+    total = sum(
+        collective_seconds(
+            kind,
+            n,
+            replicate_world if kind == "all_reduce" else shard_world,
+            replicate_link if kind == "all_reduce" else opts.link,
+        )
+        for kind, n in row.comm.items()
+    )
+    row.communication_s = total
+    row.notes.append(
+        "no example batch: communication time is the links' busy time, none of it known to overlap"
+    )
+
+
+def estimate(
+    target: str | Callable[[], Any],
+    world_size: int | str | Sequence[int],
+    *,
+    sharding_strategy: Any = "FULL_SHARD",
+    auto_wrap_policy: Any = None,
+    mixed_precision: Any = None,
+    cpu_offload: bool = False,
+    activation_checkpointing_policy: Any = None,
+    limit_all_gathers: bool = True,
+    backward_prefetch: Any = "BACKWARD_PRE",
+    forward_prefetch: bool = False,
+    reshard_root_after_forward: bool = False,
+    shard_group_size: int | Sequence[int] | None = None,
+    optimizer: str | type = "adamw",
+    device: str = "cuda",
+    bandwidth: str | float | None = None,
+    latency: str | float | None = None,
+    replicate_bandwidth: str | float | None = None,
+    replicate_latency: str | float | None = None,
+    tflops: float = 400.0,
+    capacity: int | str | None = None,
+    overhead: int | str | None = None,
+) -> Estimate:
+    """Estimate per-rank memory and per-step communication of sharded training, without running it.
+
+    Args:
+        target: ``"module.path:factory"`` or the factory itself: a callable returning a module, or
+            ``(module, example_batch)``; it is called under ``torch.device("meta")``.
+        world_size: ranks to estimate for: an int, ``"8,64,512"`` or a list.
+        sharding_strategy, auto_wrap_policy, mixed_precision, cpu_offload, activation_checkpointing_policy,
+            limit_all_gathers, backward_prefetch, forward_prefetch, reshard_root_after_forward: as for
+            :class:`flatshard.ShardOptions` (the strategy's own options).
+        shard_group_size: hybrid strategies: ranks per shard group (an int or several). Default: 8 (or the
+            world size, when smaller).
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd-momentum"``, ``"muon"``, ``"none"`` or an
+            optimizer class (or its import path). Default: ``"adamw"``.
+        device: ``"cuda"`` (default) or ``"cpu"``: see [Note: estimating a step].
+        bandwidth, latency: the shard group's link: a preset (``"nvlink"``, ``"infiniband"``, ``"ethernet"``)
+            or a bandwidth like ``"400GB/s"``, and a latency like ``"5us"``. Without it no times are given.
+        replicate_bandwidth, replicate_latency: the replicate group's link (hybrid, NO_SHARD). Default: the
+            shard group's.
+        tflops: achieved compute per rank in TFLOP/s, for the exposed communication time. Default: 400.
+        capacity: memory per device (``"80GiB"``), what "fits" means. Default: 80 GiB on cuda.
+        overhead: memory per device outside tensors. Default: 1 GiB on cuda, 0 on cpu.
+
+    Returns:
+        An :class:`Estimate`; ``str(format_table(estimate))`` is the command's table.
+    """
+    shard_options = ShardOptions(
+        sharding_strategy=sharding_strategy,
+        auto_wrap_policy=auto_wrap_policy,
+        mixed_precision=mixed_precision,
+        cpu_offload=cpu_offload,
+        activation_checkpointing_policy=activation_checkpointing_policy,
+        limit_all_gathers=limit_all_gathers,
+        backward_prefetch=backward_prefetch,
+        forward_prefetch=forward_prefetch,
+        reshard_root_after_forward=reshard_root_after_forward,
+    )
+    errors = OptionErrors("estimate")
+    link: Link | None = errors.check(parse_link, bandwidth, latency, "shard link")
+    replicate: Link | None = errors.check(
+        parse_link, replicate_bandwidth, replicate_latency, "replicate link"
+    )
+    cap = errors.check(parse_bytes, capacity, "capacity") if capacity is not None else None
+    extra = errors.check(parse_bytes, overhead, "overhead") if overhead is not None else None
+    errors.raise_if_any()
+    opts = EstimateOptions(
+        world_sizes=world_size,  # type: ignore[arg-type]
+        shard=shard_options,
+        shard_group_sizes=shard_group_size,  # type: ignore[arg-type]
+        optimizer=optimizer,
+        device=device,
+        link=link,
+        replicate_link=replicate,
+        tflops=tflops,
+        capacity=cap,
+        overhead=extra,
+    )
+    factory = resolve_factory(target)
+    name = target if isinstance(target, str) else getattr(target, "__qualname__", repr(target))
+    rows = []
+    for world in opts.world_sizes:
+        for group in opts.group_sizes_for(world):
+            rows.append(_row(dry_run(factory, name, opts, world, group), opts))
+    described = {
+        "sharding_strategy": shard_options.sharding_strategy.name,
+        "auto_wrap_policy": repr(shard_options.auto_wrap_policy),
+        "mixed_precision": _describe_precision(shard_options),
+        "cpu_offload": shard_options.cpu_offload,
+        "activation_checkpointing_policy": repr(shard_options.activation_checkpointing_policy),
+        "limit_all_gathers": shard_options.limit_all_gathers,
+        "optimizer": opts.optimizer if isinstance(opts.optimizer, str) else opts.optimizer.__name__,
+        "device": opts.device,
+        "link": link._asdict() if link else None,
+        "replicate_link": (opts.replicate_link._asdict() if opts.replicate_link else None),
+        "tflops": opts.tflops,
+    }
+    if not rows:
+        raise EstimateError("nothing to estimate. HINT: pass --world-size.")
+    return Estimate(name, described, rows)
