@@ -3,7 +3,12 @@
     python examples/cli/train.py fit --config examples/configs/flatshard.yaml
     python examples/cli/train.py fit --config examples/configs/flatshard_block_bf16.yaml
     python examples/cli/train.py fit --config examples/configs/flatshard_sharded_ckpt.yaml
-    python examples/cli/train.py fit --config examples/configs/flatshard.yaml --ckpt_path PATH   # resume
+    python examples/cli/train.py fit --config examples/configs/flatshard.yaml \
+        --ckpt_path runs/cli/checkpoints/epoch=0-step=4.ckpt --trainer.max_steps 8         # resume, 4 more steps
+
+Checkpoints land in ``runs/cli/checkpoints/`` (``trainer.default_root_dir``, ignored by git), with the resolved
+config in ``runs/cli/config.yaml``; with ``state_dict_type: sharded`` a ``.ckpt`` is a directory. A resumed run
+continues up to ``trainer.max_steps``, counted from the start of training: raise it to train further.
 
 The model is the character-level GPT of ``examples/gpt`` (``model.Block`` is its transformer block, the
 import path the configs use for wrap and checkpointing policies); the data are windows of the bundled
@@ -71,8 +76,18 @@ class Shakespeare(L.LightningDataModule):
         return DataLoader(data, batch_size=self.hparams.batch_size)
 
 
+RUNS = Path(__file__).resolve().parents[2] / "runs" / "cli"  # ignored by git: runs leave the repository clean
+
+
 def main() -> None:
-    LightningCLI(CharGPT, Shakespeare, save_config_kwargs={"overwrite": True})
+    # Checkpoints go to runs/cli/checkpoints/ and the resolved config to runs/cli/config.yaml unless the YAML or
+    # the command line sets trainer.default_root_dir.
+    LightningCLI(
+        CharGPT,
+        Shakespeare,
+        trainer_defaults={"default_root_dir": str(RUNS)},
+        save_config_kwargs={"overwrite": True},
+    )
 
 
 if __name__ == "__main__":

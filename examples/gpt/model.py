@@ -198,17 +198,33 @@ class GPT(nn.Module):
 
 @torch.no_grad()
 def generate(
-    forward: Callable[[Tensor], Tensor], idx: Tensor, max_new_tokens: int, block_size: int
+    forward: Callable[[Tensor], Tensor],
+    idx: Tensor,
+    max_new_tokens: int,
+    block_size: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
 ) -> Tensor:
-    """Greedy (argmax) decoding.
+    """Decode ``max_new_tokens`` tokens: greedy (argmax) at ``temperature`` 0, else sampled from the softmax of
+    the logits divided by ``temperature``, restricted to the ``top_k`` most likely tokens if given, drawing from
+    ``generator`` (seeded: the same sample on every rank and every run).
 
     ``forward`` maps ``(B, T)`` token ids to ``(B, T, V)`` logits: a :class:`GPT`, or a wrapper such
     as a LightningModule whose ``__call__`` goes through the module hooks of a sharding strategy.
-    Returns ``idx`` extended by ``max_new_tokens`` tokens. Deterministic.
+    Returns ``idx`` extended by ``max_new_tokens`` tokens.
     """
     for _ in range(max_new_tokens):
-        logits = forward(idx[:, -block_size:])
-        next_id = logits[:, -1, :].argmax(dim=-1, keepdim=True)
+        logits = forward(idx[:, -block_size:])[:, -1, :].float()
+        if temperature <= 0:
+            next_id = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)
+            next_id = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)
         idx = torch.cat([idx, next_id], dim=1)
     return idx
 

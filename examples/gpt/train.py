@@ -1,6 +1,6 @@
 """Train a small character-level GPT on Shakespeare with PyTorch Lightning and the flatshard strategy.
 
-Default run (CPU, 2 processes, about 1-2 minutes on 2 cores)::
+Default run (CPU, 2 processes, about two minutes on 2 cores)::
 
     python examples/gpt/train.py
 
@@ -8,8 +8,9 @@ Plain DDP for comparison::
 
     python examples/gpt/train.py --strategy ddp
 
-At the end every rank prints one line with its final training loss, the bytes of parameter storage
-it holds and its peak RSS; rank 0 also prints a short greedy sample from the trained model.
+At the end rank 0 prints a sample from the trained model (temperature 0.8, top-k 10, seeded), the validation
+loss beside a uniform guess's and the throughput; every rank prints one line with its loss and the bytes of
+parameters, gradients and optimizer state it holds, beside what one unsharded process holds.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import math
 import resource
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -40,8 +42,10 @@ except Exception as err:  # the package may be missing or unfinished: ``--strate
 else:
     _FLATSHARD_IMPORT_ERROR = None
 
-SAMPLE_PROMPT = "MACBETH\n"
-SAMPLE_TOKENS = 200
+SAMPLE_PROMPT = "MACBETH:\n"
+SAMPLE_TOKENS = 300
+SAMPLE_TEMPERATURE = 0.8
+SAMPLE_TOP_K = 10
 VAL_FRACTION = 0.1
 VAL_SAMPLES = 512
 WARMUP_STEPS = 10
@@ -56,8 +60,8 @@ class GPTLitModule(L.LightningModule):
         block_size: int = 64,
         n_layer: int = 4,
         n_head: int = 4,
-        d_model: int = 128,
-        lr: float = 6e-3,
+        d_model: int = 64,
+        lr: float = 1e-2,
         weight_decay: float = 0.1,
     ) -> None:
         super().__init__()
@@ -73,11 +77,18 @@ class GPTLitModule(L.LightningModule):
         self.model: GPT | None = None
         self.sample_ids: list[int] | None = None  # filled on every rank by ``on_train_end``
         self.last_train_loss: Tensor | None = None  # this rank's loss at its last training step
+        self.sample_seed = 0  # set by main(): the same sample on every rank
+        self.fit_started: float | None = None
+        self.fit_steps = 0  # optimizer steps this run (a resumed run counts its own)
+        self.tokens_per_step = 0
+        self.full_numel = 0
+        self.held: dict[str, int] = {}  # bytes this rank held at its last optimizer step
 
     def configure_model(self) -> None:
         if self.model is not None:
             return
         self.model = GPT(self.config)
+        self.full_numel = sum(p.numel() for p in self.model.parameters())  # before sharding: whole
 
     def forward(self, idx: Tensor) -> Tensor:
         assert self.model is not None, "configure_model() has not run"
@@ -88,7 +99,16 @@ class GPTLitModule(L.LightningModule):
         logits = self(x)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
 
+    def on_train_start(self) -> None:
+        self.fit_started = time.perf_counter()
+        self.fit_steps = -self.trainer.global_step
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.trainer.global_step + 1 >= self.trainer.max_steps:  # the last step: gradients are all there
+            self.held = self.held_bytes()
+
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self.tokens_per_step = batch[0].numel() * self.trainer.world_size
         loss = self._loss(batch)
         self.last_train_loss = loss.detach()
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
@@ -121,39 +141,96 @@ class GPTLitModule(L.LightningModule):
     def on_train_end(self) -> None:
         # Runs on every rank before the strategy tears down: with a sharded strategy the forward hooks
         # gather parameters collectively, so all ranks must run the same forwards.
+        self.fit_steps += self.trainer.global_step
+        seconds = time.perf_counter() - (self.fit_started or time.perf_counter())
         was_training = self.training
         self.eval()
         prompt = self.tokenizer.encode_tensor(SAMPLE_PROMPT)[None].to(self.device)
-        self.sample_ids = generate(self, prompt, SAMPLE_TOKENS, self.config.block_size)[0].tolist()
+        sampler = torch.Generator().manual_seed(self.sample_seed)
+        out = generate(
+            self, prompt, SAMPLE_TOKENS, self.config.block_size, SAMPLE_TEMPERATURE, SAMPLE_TOP_K, sampler
+        )
+        self.sample_ids = out[0].tolist()
         self.train(was_training)
-        self.report()
+        self.report(seconds)
 
-    def param_storage_bytes(self) -> int:
-        """Bytes of the distinct storages behind this rank's parameters (shared storage counted once)."""
-        seen: dict[int, int] = {}
-        for p in self.parameters():
-            storage = p.untyped_storage()
-            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
-        return sum(seen.values())
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of the distinct storages behind this rank's parameters, gradients and optimizer state (a
+        storage shared by several tensors counted once)."""
 
-    def report(self) -> None:
-        """Each rank prints one line, in rank order; rank 0 prints the generated sample first."""
+        def storages(tensors: list[Tensor]) -> int:
+            seen: dict[int, int] = {}
+            for t in tensors:
+                storage = t.untyped_storage()
+                seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+            return sum(seen.values())
+
+        params = list(self.parameters())
+        state = [
+            v
+            for opt in self.trainer.optimizers
+            for st in opt.state.values()
+            for v in st.values()
+            if isinstance(v, Tensor) and v.dim() > 0
+        ]
+        return {
+            "params": storages(params),
+            "grads": storages([p.grad for p in params if p.grad is not None]),
+            "optim": storages(state),
+        }
+
+    def unsharded_bytes(self) -> dict[str, int]:
+        """What one process holds with the whole model: parameters, gradients and AdamW's two moments, fp32."""
+        n = (
+            self.full_numel
+        )  # counted when the model was built, before sharding (the tied head is one parameter)
+        return {"params": 4 * n, "grads": 4 * n, "optim": 8 * n}
+
+    def report(self, seconds: float) -> None:
+        """Rank 0 prints the sample and the run's summary; then each rank prints one line, in rank order."""
         rank, world = self.global_rank, self.trainer.world_size
         val = self.trainer.callback_metrics.get("val_loss")
         val_loss = float(val) if val is not None else math.nan
         peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-        param_bytes = self.param_storage_bytes()
+        held, whole = self.held or self.held_bytes(), self.unsharded_bytes()
         train_loss = float(self.last_train_loss) if self.last_train_loss is not None else math.nan
+        mib = 2**20
         line = (
             f"[rank {rank}/{world}] train_loss={train_loss:.4f} val_loss={val_loss:.4f} "
-            f"param_bytes={param_bytes} param_mib={param_bytes / 2**20:.2f} peak_rss_mib={peak_rss_mib:.1f}"
+            f"param_bytes={held['params']} param_mib={held['params'] / mib:.2f} "
+            f"grad_mib={held['grads'] / mib:.2f} optim_mib={held['optim'] / mib:.2f} peak_rss_mib={peak_rss_mib:.1f}"
         )
+        if rank == 0:
+            if self.sample_ids is not None:
+                print(
+                    f"--- sample ({SAMPLE_TOKENS} characters, temperature {SAMPLE_TEMPERATURE}, top-k "
+                    f"{SAMPLE_TOP_K}, seed {self.sample_seed}) ---",
+                    flush=True,
+                )
+                print(self.tokenizer.decode(self.sample_ids), flush=True)
+                print("--- end of sample ---", flush=True)
+            uniform = math.log(self.tokenizer.vocab_size)
+            print(
+                f"val_loss {val_loss:.3f} nats/character; a uniform guess over the {self.tokenizer.vocab_size} "
+                f"characters scores {uniform:.3f}",
+                flush=True,
+            )
+            if self.fit_steps > 0 and seconds > 0:
+                print(
+                    f"{self.fit_steps} steps in {seconds:.0f} s on {world} processes: "
+                    f"{self.fit_steps * self.tokens_per_step / seconds:,.0f} characters/s "
+                    f"({self.tokens_per_step} per step)",
+                    flush=True,
+                )
+            print(
+                f"one unsharded process would hold param_mib={whole['params'] / mib:.2f} "
+                f"grad_mib={whole['grads'] / mib:.2f} optim_mib={whole['optim'] / mib:.2f}; each rank holds:",
+                flush=True,
+            )
+        if world > 1:
+            self.trainer.strategy.barrier("gpt_example_report")
         for r in range(world):
             if r == rank:
-                if rank == 0 and self.sample_ids is not None:
-                    print(f"--- greedy sample ({SAMPLE_TOKENS} chars) ---", flush=True)
-                    print(self.tokenizer.decode(self.sample_ids), flush=True)
-                    print("--- end of sample ---", flush=True)
                 print(line, flush=True)
             if world > 1:
                 self.trainer.strategy.barrier("gpt_example_report")
@@ -176,13 +253,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--strategy", default="flatshard", help="Lightning strategy name, e.g. flatshard or ddp")
     p.add_argument("--devices", type=int, default=2, help="number of CPU processes")
-    p.add_argument("--max-steps", type=int, default=150, help="optimizer steps to train for (in total)")
+    p.add_argument("--max-steps", type=int, default=1000, help="optimizer steps to train for (in total)")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per process per step")
-    p.add_argument("--d-model", type=int, default=128, help="embedding width")
+    p.add_argument("--d-model", type=int, default=64, help="embedding width")
     p.add_argument("--n-layer", type=int, default=4, help="number of transformer blocks")
     p.add_argument("--n-head", type=int, default=4, help="attention heads per block")
     p.add_argument("--block-size", type=int, default=64, help="context length in characters")
-    p.add_argument("--lr", type=float, default=6e-3, help="peak AdamW learning rate (after warm-up)")
+    p.add_argument("--lr", type=float, default=1e-2, help="peak AdamW learning rate (after warm-up)")
     p.add_argument("--seed", type=int, default=1234, help="seed for init, data order and dropout")
     p.add_argument(
         "--ckpt-out", default=None, help="save a checkpoint here at the end (trainer.save_checkpoint)"
@@ -245,11 +322,16 @@ def main(argv: list[str] | None = None) -> None:
         d_model=args.d_model,
         lr=args.lr,
     )
+    module.sample_seed = args.seed
+    steps_per_epoch = max(1, len(train_set) // (args.batch_size * args.devices))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=make_strategy(args),
         max_steps=args.max_steps,
+        # max_steps ends the run. A finite max_epochs keeps the progress bar's "Epoch 0/1" sensible; one more
+        # than needed, as a run stopped by max_steps mid-epoch resumes at the next epoch.
+        max_epochs=math.ceil(args.max_steps / steps_per_epoch) + 1,
         # validate once, after the last step (counted across epochs and resumes)
         val_check_interval=args.max_steps,
         check_val_every_n_epoch=None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,34 @@ def test_fabric_loop_saves_sharded_and_resumes_on_three_processes(tmp_path: Path
     assert "resumed at step 4 on 3 processes" in second
     loss = float(re.findall(r"step 6: loss ([\d.]+)", second)[0])
     assert loss < 4.0, second  # below ln(65), a uniform guess: the resumed weights are trained ones
+
+
+def _degenerate(sample: str) -> str | None:
+    """Why ``sample`` reads as a broken model (a loop of a few characters or words), or None."""
+    words = re.findall(r"[A-Za-z']+", sample)
+    if len(set(words)) < 15:
+        return f"{len(set(words))} distinct words"
+    if len(zlib.compress(sample.encode())) < 0.4 * len(sample.encode()):  # text compresses to ~0.55
+        return "it compresses like a repeated pattern"
+    if re.search(r"(.{1,6})\1{3,}", sample):
+        return "a pattern repeated four times in a row"
+    return None
+
+
+@pytest.mark.timeout(600)
+def test_the_default_example_shows_text_the_loss_and_what_each_rank_holds(tmp_path: Path) -> None:
+    """The first command of the README, shorter (300 of its 1000 steps): a sample that reads as text, the
+    validation loss far below a uniform guess's, and each rank holding half of an unsharded process's bytes."""
+    out = _run([sys.executable, str(REPO / "examples/gpt/train.py"), "--max-steps", "300"], tmp_path)
+    sample = out.split("---\n", 1)[1].split("\n--- end of sample", 1)[0]
+    assert sample.startswith("MACBETH:\n") and _degenerate(sample) is None, (_degenerate(sample), sample)
+    val, uniform = map(float, re.findall(r"val_loss ([\d.]+) nats/character; .* scores ([\d.]+)", out)[0])
+    assert val < uniform - 1.5, out
+    assert re.search(r"300 steps in \d+ s on 2 processes: [\d,]+ characters/s", out), out
+    whole = dict(re.findall(r"(param|grad|optim)_mib=([\d.]+)", out.split("would hold", 1)[1].split("\n")[0]))
+    for rank in ("0", "1"):
+        line = re.findall(rf"\[rank {rank}/2\] .*", out)[0]
+        held = dict(re.findall(r"(param|grad|optim)_mib=([\d.]+)", line))
+        for kind in ("param", "grad", "optim"):  # half, and a little padding
+            assert 0.45 < float(held[kind]) / float(whole[kind]) < 0.6, (kind, line, whole)
+    assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())  # nothing written where it ran
