@@ -424,3 +424,26 @@ def test_each_root_keeps_its_own_limit(which: str) -> None:
     assert error is not None and error.startswith("DesyncError"), waiting
     limit = LONG if which == "A" else SHORT
     assert limit / 2 - 0.5 <= waiting["seconds"] < limit + 2.0, waiting
+
+
+def _verdict_on_exit(rank: int, world: int) -> dict[str, Any]:
+    """A peer's exit with a verdict in the store about an earlier wait of this process (it moved on to its
+    next wait before the exit was seen): the verdict is the report. One from another process never is."""
+    watchdog.configure(LIMIT)
+    store = dist.distributed_c10d._get_default_store()
+    out: dict[str, Any] = {}
+    for name, ident in (("other", "0badc0de:7"), ("mine", f"{watchdog._NONCE}:1")):
+        report = f"flatshard: the ranks' collectives can no longer pair up ({name})"
+        store.set("flatshard/desync/verdict", json.dumps({"waits": {"0": ident}, "report": report}))
+        try:
+            watchdog.raise_verdict_on_exit(RuntimeError("rank 1 exited"))
+            out[name] = None
+        except watchdog.DesyncError as err:
+            out[name] = str(err)
+    return out
+
+
+def test_a_peer_exit_reports_the_verdict_about_any_wait_of_this_process() -> None:
+    (result,) = spawn(_verdict_on_exit, 1, timeout=60)
+    assert result["other"] is None, result
+    assert result["mine"] is not None and "(mine)" in result["mine"], result

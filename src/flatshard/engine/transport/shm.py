@@ -455,6 +455,7 @@ class ShmGroup:
         if pid_gone(self._pids[r]):
             watchdog.adopt_verdict()  # a desync that peer raised before it exited is the report
             watchdog.blocked(self._label, start)
+            watchdog.raise_verdict_on_exit()  # one about an earlier wait of this process, too
             raise RuntimeError(
                 f"[rank {self._global_ranks[self.rank]}] rank {self._global_ranks[r]} (pid {self._pids[r]}) "
                 f"exited while this rank waited for it in a shared-memory {what}. HINT: if that rank failed, "

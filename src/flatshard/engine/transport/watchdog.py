@@ -93,6 +93,7 @@ __all__ = [
     "limit",
     "limit_for",
     "note_issued",
+    "raise_verdict_on_exit",
     "start",
     "unblocked",
     "verdict",
@@ -400,11 +401,41 @@ def adopt_verdict() -> None:
 
 
 def _raise_verdict(err: BaseException, since: float) -> None:
-    """A collective's error after a verdict adopted during this wait is the desync's doing."""
+    """A collective's error after a verdict adopted during this wait is the desync's doing; so is one after a
+    peer left, if the store holds a verdict about any wait of this process (see :func:`raise_verdict_on_exit`)."""
     adopt_verdict()
     at = _STATE.verdict_at
     if _STATE.verdict is not None and at is not None and at >= since:
         raise DesyncError(_STATE.verdict) from err
+    raise_verdict_on_exit(err)
+
+
+def raise_verdict_on_exit(err: BaseException | None = None) -> None:
+    """A peer this rank waits for has exited (or the collective failed as peers left): if the store holds a
+    verdict naming a wait of this process, raise it as :class:`DesyncError`.
+
+    The verdict is the better report: the peer raised it and left. It need not be about the wait this rank is
+    in now, only about one of this process's (its wait ids carry this process's nonce, so a verdict from an
+    earlier run on the same store never matches): under load a rank may publish its next wait, or learn of
+    the exit from a worker thread before the main thread waits, after the verdict named the previous one.
+    """
+    if limit() is None or not dist.is_initialized():
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if not store.check([_VERDICT_KEY]):
+            return
+        found = json.loads(store.get(_VERDICT_KEY).decode())
+    except Exception:  # the store may be gone with the peers: the collective's own error stands
+        return
+    about = found.get("waits", {}).get(str(dist.get_rank()))
+    if not isinstance(about, str) or not about.startswith(f"{_NONCE}:"):
+        return
+    if _STATE.verdict_wait != about:
+        _STATE.verdict, _STATE.verdict_wait, _STATE.verdict_at = found["report"], about, time.monotonic()
+    if err is None:
+        raise DesyncError(found["report"])
+    raise DesyncError(found["report"]) from err
 
 
 def start() -> None:
