@@ -359,3 +359,12 @@ def test_timing_model_by_hand() -> None:
     assert t.communication == pytest.approx(12e-6)
     assert t.exposed == pytest.approx(5e-6 + 5e-6)
     assert t.step == pytest.approx(12e-6)
+
+
+def test_an_estimate_leaves_no_desync_settings_behind() -> None:
+    """The fake group's settings go with it: a later process group of the same name starts from the defaults."""
+    from flatshard.engine.transport import watchdog
+
+    before = dict(watchdog._STATE.limits)
+    estimate(gpt, [2], device="cpu")
+    assert watchdog._STATE.limits == before

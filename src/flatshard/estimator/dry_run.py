@@ -22,6 +22,7 @@ from flatshard.engine import (
     comm_stats,
     gathered_buffers,
     is_whole_tensor_optimizer,
+    limits_restored,
     original_shapes,
     shard,
     timeline,
@@ -236,8 +237,8 @@ def dry_run(
             "command."
         )
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world)
-    try:
-        with _attention_as_on_devices():
+    try:  # the fake group's settings go with it: a later group may reuse its name
+        with _attention_as_on_devices(), limits_restored():
             return _measure(factory, name, opts, world, group)
     finally:
         dist.destroy_process_group()

@@ -76,6 +76,8 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch.distributed as dist
@@ -92,6 +94,7 @@ __all__ = [
     "configure",
     "limit",
     "limit_for",
+    "limits_restored",
     "note_issued",
     "raise_verdict_on_exit",
     "start",
@@ -249,6 +252,18 @@ def limit() -> float | None:
         return env_seconds(ENV, DEFAULT_LIMIT_S)
     values = [v for v in _STATE.limits.values() if v is not None]
     return min(values) if values else None
+
+
+@contextmanager
+def limits_restored() -> Iterator[None]:
+    """The limits :func:`configure` sets inside the block are forgotten after it: for a process group that lives
+    only as long as the block (a dry run on a fake group), whose name a later group may reuse."""
+    saved = dict(_STATE.limits)
+    try:
+        yield
+    finally:
+        _STATE.limits.clear()
+        _STATE.limits.update(saved)
 
 
 def limit_for(name: str) -> float | None:
