@@ -406,13 +406,22 @@ def adopt_verdict() -> None:
     wait = _STATE.wait
     if limit() is None or wait is None or not dist.is_initialized():
         return
+    found = _stored_verdict()
+    if found is not None:
+        _adopt(found, dist.get_rank(), {"wait": wait.ident, "state": "flat"})
+
+
+def _stored_verdict() -> dict[str, Any] | None:
+    """The verdict in the default group's store, or ``None`` (none yet, or the store is gone with the peers:
+    then the collective's own error stands)."""
     try:
         store = dist.distributed_c10d._get_default_store()
-        if store.check([_VERDICT_KEY]):
-            found = json.loads(store.get(_VERDICT_KEY).decode())
-            _adopt(found, dist.get_rank(), {"wait": wait.ident, "state": "flat"})
-    except Exception:  # the store may be gone with the peers: the collective's own error stands
-        pass
+        if not store.check([_VERDICT_KEY]):
+            return None
+        found: dict[str, Any] = json.loads(store.get(_VERDICT_KEY).decode())
+    except Exception:
+        return None
+    return found
 
 
 def _raise_verdict(err: BaseException, since: float) -> None:
@@ -436,12 +445,8 @@ def raise_verdict_on_exit(err: BaseException | None = None) -> None:
     """
     if limit() is None or not dist.is_initialized():
         return
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        if not store.check([_VERDICT_KEY]):
-            return
-        found = json.loads(store.get(_VERDICT_KEY).decode())
-    except Exception:  # the store may be gone with the peers: the collective's own error stands
+    found = _stored_verdict()
+    if found is None:
         return
     about = found.get("waits", {}).get(str(dist.get_rank()))
     if not isinstance(about, str) or not about.startswith(f"{_NONCE}:"):
