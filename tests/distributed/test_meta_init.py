@@ -24,13 +24,15 @@ PER_RANK = 2
 
 
 def name_seeded_init(names: dict[nn.Module, str]):  # type: ignore[no-untyped-def]
-    """An init function that gives each parameter values determined by its full name only."""
+    """An init function that gives each parameter values determined by its full name only, buffers zeros."""
 
     def init(module: nn.Module) -> None:
         prefix = names[module]
         for name, p in module.named_parameters(recurse=False):
             g = torch.Generator().manual_seed(zlib.crc32(f"{prefix}.{name}".encode()))
             p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        for b in module.buffers(recurse=False):
+            b.zero_()
 
     return init
 
@@ -169,11 +171,42 @@ class _NoReset(nn.Module):
         return x * self.w
 
 
-def test_meta_init_errors_and_warnings() -> None:
+class _Scaled(nn.Module):
+    """A module with a buffer that nothing initializes (no reset_parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(3), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def test_meta_tensors_nothing_initialized_are_refused_by_name() -> None:
+    """No reset_parameters, no param_init_fn value, nothing loaded: an error naming the tensor at the first
+    forward and at a save, never zeros or garbage; a load (or a value written) fills it."""
     with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(3, 3), _NoReset())
-    with pytest.raises(ValueError, match=r"_NoReset \('1'\).*reset_parameters"):
-        flatshard.shard(model)
+        model = nn.Sequential(nn.Linear(3, 3), _NoReset(), _Scaled())
+    flatshard.shard(model)  # accepted: the values may come from a checkpoint
+    x = torch.ones(1, 3)
+    for _ in range(2):  # refused each time, and the hooks stay usable
+        with pytest.raises(flatshard.UnfilledError, match=r"'1\.w'.*'2\.scale'.*load_pretrained"):
+            model(x)
+    with pytest.raises(flatshard.UnfilledError, match=r"'1\.w'"):
+        flatshard.get_state_dict(model)
+    model.load_state_dict({"1.w": torch.full((3,), 2.0)}, strict=False)  # the parameter: filled by the load
+    with pytest.raises(flatshard.UnfilledError, match=r"2 tensor|1 tensor") as err:
+        model(x)
+    assert "'1.w'" not in str(err.value) and "'2.scale'" in str(err.value)
+    with torch.no_grad():
+        model[2].scale.fill_(0.5)  # the buffer: filled by any write
+    reference = nn.Sequential(nn.Linear(3, 3), _NoReset(), _Scaled())
+    reference.load_state_dict(dict(flatshard.get_state_dict(model)[0], **{"1.w": torch.full((3,), 2.0)}))
+    reference[2].scale.fill_(0.5)
+    torch.testing.assert_close(model(x), reference(x))
+
+
+def test_meta_init_errors_and_warnings() -> None:
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(3, 3))
 

@@ -33,6 +33,7 @@ from flatshard.engine.config import (
     ShardingStrategy,
     ShardOptions,
 )
+from flatshard.engine.handle import handle_of_param
 from flatshard.engine.runtime import (
     ForwardCall,
     begin_backward_in_forward,
@@ -41,6 +42,7 @@ from flatshard.engine.runtime import (
     unit_states,
 )
 from flatshard.engine.setup.activation_checkpointing import CheckFn
+from flatshard.engine.setup.materialize import Materialized, hf_owners, materialize_modules
 from flatshard.engine.setup.wrap import Policy
 from flatshard.engine.shard import is_sharded, no_sync, shard
 from flatshard.engine.state.full_model import (
@@ -50,6 +52,7 @@ from flatshard.engine.state.full_model import (
     parameter_names,
     prepare_for_state_io,
 )
+from flatshard.engine.state.full_entries import FullEntry, full_entries
 from flatshard.engine.state.full_optim import (
     convert_full_optim_state_dict,
     full_optim_state_dict,
@@ -81,6 +84,7 @@ from flatshard.engine.step.whole_tensor import (
 from flatshard.engine.transport.comm import comm_stats, global_rank, timeline, uses_nccl
 from flatshard.engine.transport.processes import ProcessId
 from flatshard.engine.transport.watchdog import DesyncError, limits_restored, wait_collective
+from flatshard.engine.unfilled import UnfilledError
 from flatshard.engine.unit_layout import UnitLayout, gathered_buffers, unit_layouts, whole_tensor_owners
 
 __all__ = [
@@ -90,8 +94,10 @@ __all__ = [
     "CheckFn",
     "DesyncError",
     "ForwardCall",
+    "FullEntry",
     "FullStates",
     "JoinState",
+    "Materialized",
     "MixedPrecision",
     "OptionErrors",
     "ParamShard",
@@ -99,6 +105,7 @@ __all__ = [
     "ProcessId",
     "ShardOptions",
     "ShardingStrategy",
+    "UnfilledError",
     "UnitLayout",
     "begin_backward_in_forward",
     "begin_join",
@@ -114,11 +121,14 @@ __all__ = [
     "explaining_step_errors",
     "finish_optimizer_load",
     "forward_call",
+    "full_entries",
     "full_model_state_dict",
     "full_optim_state_dict",
     "gathered_buffers",
     "get_state_dict",
     "global_rank",
+    "handle_of_param",
+    "hf_owners",
     "is_forward_method",
     "is_sharded",
     "is_whole_tensor_optimizer",
@@ -128,6 +138,7 @@ __all__ = [
     "load_full_model_state_dict",
     "load_full_optim_state_dict",
     "local_param_targets",
+    "materialize_modules",
     "no_sync",
     "optimizer_list",
     "original_shapes",

@@ -25,7 +25,7 @@ gathers into the same storage again before backward, so the saved views see the 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from flatshard.engine.setup.wrap import Alias
 from flatshard.engine.transport import comm, memory, watchdog
 from flatshard.engine.transport.limiter import AllGatherLimiter
 from flatshard.engine.transport.streams import CommContext
+from flatshard.engine.unfilled import fill_marker
 
 __all__ = ["FlatParamHandle", "HandleState", "handle_of_param", "locate_params"]
 
@@ -103,6 +104,8 @@ class FlatParamHandle(UnitGradients):
         sync_group: if given, the flat parameter is broadcast from this group's rank 0 before sharding.
         precision: the unit's dtypes (see [Note: mixed precision]); default: the parameters' own dtype.
         offload: keep the shard and the gradient shard in CPU memory (see [Note: CPU offload]).
+        unfilled: ``id()`` of parameters nothing gave values (see [Note: unfilled tensors]); a parameter on
+            the meta device is one too, and keeps no full storage: the shard is built from pieces.
 
     [Note: CPU offload]
     With ``offload`` the shard (pinned when compute is on CUDA) and the gradient shard live in CPU memory,
@@ -131,6 +134,7 @@ class FlatParamHandle(UnitGradients):
         sync_group: Any | None = None,
         precision: UnitPrecision | None = None,
         offload: bool = False,
+        unfilled: Collection[int] = (),
     ) -> None:
         if not params:
             raise ValueError("FlatParamHandle needs at least one parameter.")
@@ -172,34 +176,21 @@ class FlatParamHandle(UnitGradients):
         self._set_trainable([p.requires_grad for p in params])
         self.state = HandleState.SHARDED
 
-        # Sharded over several CPU ranks, the full flat tensor is transient: a mapping of its own returns it
-        # to the system when freed (heap memory would stay with the process; see [Note: materializing unit by unit]).
-        transient = self.shard_world > 1 and device.type == "cpu"
-        out = memory.empty_mapped((self.layout.padded_numel,), self.dtype) if transient else None
-        full = flatten_tensors([p.detach().to(device) for p in params], self.layout, out=out)
-        if sync_group is not None:
-            dist.broadcast(full, src=dist.get_global_rank(sync_group, 0), group=sync_group)
+        # Parameters nothing gave values: see [Note: unfilled tensors]
+        self.unfilled: set[int] = {i for i, p in enumerate(params) if p.is_meta or id(p) in unfilled}
         self.offload = offload
         self.shard_device = torch.device("cpu") if offload else device
-        if offload:  # see [Note: CPU offload]
-            pin = device.type == "cuda" and torch.cuda.is_available()
-            self._sharded: torch.Tensor = torch.empty(hi - lo, dtype=self.dtype, pin_memory=pin)
-            self._sharded.copy_(full[lo:hi])
-            del full
-        elif self.shard_world == 1:
-            self._sharded = full  # 1-D, padded_numel == total_numel
+        if any(p.is_meta for p in params):
+            if sync_group is not None:
+                raise ValueError(
+                    "sync_module_states needs every parameter materialized before it is sharded."
+                )
+            self._sharded: torch.Tensor = self._shard_from_pieces(params, lo, hi)
+            for i, p in enumerate(params):
+                if p.is_meta:  # its data becomes a piece of the shard: a Parameter that can hold one
+                    self._replace_param(i, nn.Parameter(torch.empty(0, dtype=p.dtype), p.requires_grad))
         else:
-            if device.type == "cpu":
-                # The shard lives as long as the model: a mapping of its own (for large shards) keeps it
-                # from pinning heap memory that the transient full tensors of later units would reuse.
-                self._sharded = memory.empty_mapped((hi - lo,), self.dtype)
-                memory.advise_hugepages(
-                    self._sharded
-                )  # peers read it fastest so: [Note: reading peers directly]
-                self._sharded.copy_(full[lo:hi])
-            else:
-                self._sharded = full[lo:hi].clone()  # 1-D, shard_numel
-            del full
+            self._sharded = self._shard_from_full(params, lo, hi, sync_group)
         # Collectives write into _gather; _flat, the autograd leaf, shares its storage through ``.data``
         # but keeps a version counter of its own, so gathering again for backward does not invalidate
         # the views autograd saved in forward. See [Note: freeing gathered storage].
@@ -226,6 +217,70 @@ class FlatParamHandle(UnitGradients):
         for p in self.params:
             _PARAM_TO_HANDLE[p] = self
         self.use_sharded_views()
+
+    def _replace_param(self, i: int, param: nn.Parameter) -> None:
+        self.params[i] = param
+        for module, name in self.aliases[i]:
+            module._parameters[name] = param
+
+    def mark_filled(self, i: int) -> None:
+        """Parameter ``i`` was given values (see [Note: unfilled tensors])."""
+        self.unfilled.discard(i)
+
+    def unfilled_names(self) -> list[str]:
+        return [self.names[i] for i in sorted(self.unfilled)]
+
+    def _new_shard(self, n: int) -> torch.Tensor:
+        """Uninitialized storage for this rank's shard of ``n`` elements, where the shard lives."""
+        if self.offload:  # see [Note: CPU offload]
+            pin = self.device.type == "cuda" and torch.cuda.is_available()
+            return torch.empty(n, dtype=self.dtype, pin_memory=pin)
+        if self.device.type == "cpu" and self.shard_world > 1:
+            shard = memory.empty_mapped((n,), self.dtype)  # see _shard_from_full
+            memory.advise_hugepages(shard)  # peers read it fastest so: [Note: reading peers directly]
+            return shard
+        return torch.empty(n, dtype=self.dtype, device=self.device)
+
+    def _shard_from_pieces(self, params: Sequence[nn.Parameter], lo: int, hi: int) -> torch.Tensor:
+        """This rank's shard written piece by piece: the marker for parameters on the meta device (no full
+        tensor of theirs ever exists), their pieces for the others, zeros for the padding."""
+        shard = self._new_shard(hi - lo)
+        for p, info in zip(params, self.shard_infos, strict=True):
+            if not info.numel_in_shard:
+                continue
+            piece = shard[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
+            if p.is_meta:
+                fill_marker(piece)
+            else:
+                flat = p.detach().reshape(-1)
+                piece.copy_(flat[info.offset_in_param : info.offset_in_param + info.numel_in_shard])
+        valid = self.layout.valid_numel(self.shard_rank) if self.shard_world > 1 else self.layout.total_numel
+        if valid < hi - lo:
+            shard[valid:].zero_()
+        return shard
+
+    def _shard_from_full(
+        self, params: Sequence[nn.Parameter], lo: int, hi: int, sync_group: Any | None
+    ) -> torch.Tensor:
+        """This rank's shard cut from the unit's whole flat parameter (broadcast from rank 0 of
+        ``sync_group`` first, if given)."""
+        # Sharded over several CPU ranks, the full flat tensor is transient: a mapping of its own returns it
+        # to the system when freed (heap memory would stay with the process; see [Note: materializing unit by
+        # unit]).
+        transient = self.shard_world > 1 and self.device.type == "cpu"
+        out = memory.empty_mapped((self.layout.padded_numel,), self.dtype) if transient else None
+        full = flatten_tensors([p.detach().to(self.device) for p in params], self.layout, out=out)
+        if sync_group is not None:
+            dist.broadcast(full, src=dist.get_global_rank(sync_group, 0), group=sync_group)
+        if self.shard_world == 1 and not self.offload:
+            return full  # 1-D, padded_numel == total_numel
+        if self.offload or self.device.type == "cpu":
+            # On CPU the shard lives as long as the model: a mapping of its own (for large shards) keeps it
+            # from pinning heap memory that the transient full tensors of later units would reuse.
+            sharded = self._new_shard(hi - lo)
+            sharded.copy_(full[lo:hi])
+            return sharded
+        return full[lo:hi].clone()  # 1-D, shard_numel
 
     def _set_trainable(self, flags: list[bool]) -> None:
         """Record which parameters are trainable, and how much of this rank's gradient shard they need."""

@@ -90,6 +90,7 @@ from flatshard.engine.precision import cast_floating
 from flatshard.engine.transport import memory
 from flatshard.engine.transport.limiter import AllGatherLimiter
 from flatshard.engine.transport.streams import CommContext
+from flatshard.engine.unfilled import BufferMark, UnfilledError, unfilled_message
 
 __all__ = [
     "ForwardCall",
@@ -101,6 +102,7 @@ __all__ = [
     "begin_backward_in_forward",
     "forward_call",
     "get_unit_state",
+    "raise_if_unfilled",
     "regather_in_forward",
     "unit_states",
 ]
@@ -147,6 +149,7 @@ class RootContext:
         self.pending: deque[tuple[FlatParamHandle, Any]] = deque()
         self.callback_queued = False
         self.step = 0  # training forwards of this root so far: names collectives in a desync report
+        self.filled = False  # every unit's tensors have values: see [Note: unfilled tensors]
 
     def unshard(self, state: UnitState | None) -> None:
         """Issue ``state``'s all-gather if it is sharded (used for its own gather and for prefetch)."""
@@ -368,6 +371,10 @@ class UnitState:
         self._grads_done: set[int] = set()  # handles whose gradient node ran in this backward (their index)
         self._inputs_pending = 0  # forward calls whose input gradients backward has not computed yet
         self._input_hooks: list[Any] = []
+        # buffers of a meta-built model nothing gave values (on the unit shard() was called on): see [Note:
+        # unfilled tensors]; _refused: the pre-forward hook refused this call, the post-forward hook skips it
+        self.unfilled_buffers: list[BufferMark] = []
+        self._refused = False
         self.ctx: RootContext | None = None
         self._hook_handles: list[Any] = []
         self._register_hooks()
@@ -405,6 +412,11 @@ class UnitState:
             handle.wait_unshard(ctx.streams if ctx else None)
             handle.use_unsharded_views()
 
+    def unfilled_names(self) -> list[str]:
+        """Names of the unit's parameters and buffers nothing gave values yet (see [Note: unfilled tensors])."""
+        self.unfilled_buffers = [b for b in self.unfilled_buffers if not b.filled()]
+        return [n for h in self.handles for n in h.unfilled_names()] + [b.name for b in self.unfilled_buffers]
+
     def refresh_requires_grad(self, track_frozen: bool = False) -> None:
         for handle in self.handles:
             handle.refresh_requires_grad(track_frozen)
@@ -433,6 +445,12 @@ class UnitState:
             elif ctx.root is self:
                 for s in ctx.states:  # take back units that ran on their own in between (cheap)
                     s.ctx = ctx
+            ctx = self.ctx
+            assert ctx is not None
+            if ctx.root is self and not ctx.filled:
+                self._refused = True  # the post-forward hook runs even when this one raises
+                raise_if_unfilled(ctx.states, f"{type(self.module).__name__}.forward was called")
+                ctx.filled, self._refused = True, False
         self.forward_depth += 1
         if self.forward_depth > 1:
             return args, kwargs
@@ -516,6 +534,9 @@ class UnitState:
 
     @_OutsideGraphs
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self._refused:  # see _pre_forward: this call never started
+            self._refused = False
+            return output
         if self.summoned is not Summoned.NO:  # see [Note: forward inside unshard_params]
             if torch.is_grad_enabled():
                 for t in tree_flatten(output)[0]:
@@ -661,6 +682,13 @@ class UnitState:
         self._reshard_if_backward_done()
         if self.options.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             ctx.prefetch_backward(ctx.order.next_backward(self))
+
+
+def raise_if_unfilled(states: list[UnitState], what: str) -> None:
+    """Raise :class:`UnfilledError` naming every tensor of ``states`` nothing gave values yet."""
+    names = [n for s in states for n in s.unfilled_names()]
+    if names:
+        raise UnfilledError(unfilled_message(names, what))
 
 
 def all_units() -> list[nn.Module]:

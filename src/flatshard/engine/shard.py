@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -23,12 +24,19 @@ from flatshard.engine.precision import (
 )
 from flatshard.engine.runtime import STATE_ATTR, UnitState, get_unit_state, unit_states
 from flatshard.engine.setup.activation_checkpointing import CheckFn, apply_activation_checkpointing
-from flatshard.engine.setup.materialize import has_meta_tensors, materialize_modules, materialize_unit
+from flatshard.engine.setup.materialize import (
+    Materialized,
+    has_meta_tensors,
+    hf_owners,
+    materialize_modules,
+    materialize_unit,
+)
 from flatshard.engine.setup.process_groups import resolve_groups
 from flatshard.engine.setup.wrap import plan_units, select_unit_modules
 from flatshard.engine.step.whole_tensor import install_hooks, register_whole_tensor_optimizer
 from flatshard.engine.transport import comm, memory, shm, watchdog
 from flatshard.engine.transport.env import check_environment
+from flatshard.engine.unfilled import BufferMark
 
 __all__ = ["is_sharded", "no_sync", "shard"]
 
@@ -138,9 +146,13 @@ def shard(
         keep_full_precision(m, next((p.dtype for p in m.parameters()), torch.float32))
     full_precision_set = set(full_precision)
     module_names = {m: n or "<root>" for n, m in module.named_modules()}
+    owners = hf_owners(module) if deferred else {}
+    made = Materialized()  # what nothing gave values: see [Note: unfilled tensors]
+    keep_meta = sync_group is None  # else rank 0's values are broadcast into full storage
+    all_handles: list[FlatParamHandle] = []
     for plan in plans:
         if deferred:  # see [Note: materializing unit by unit]
-            materialize_unit(plan, target, param_init_fn, module_names)
+            materialize_unit(plan, target, param_init_fn, module_names, owners, made, keep_meta)
         handles = [
             FlatParamHandle(
                 [plan.params[i] for i in members],
@@ -152,16 +164,26 @@ def shard(
                 sync_group=sync_group,
                 offload=opts.cpu_offload,
                 precision=UnitPrecision.resolve(None if plan.module in full_precision_set else mp, dtype),
+                unfilled=made.params,
             )
             for dtype, members in _by_dtype(plan.params).items()
         ]
+        all_handles += handles
         unit = plan.module.__dict__[STATE_ATTR] = UnitState(plan.module, handles, opts)
         unit.path = module_names.get(plan.module, unit.path)
     if deferred:  # modules with meta buffers only
         materialize_modules(
-            [m for m in module.modules() if m not in ignored], target, param_init_fn, module_names
+            [m for m in module.modules() if m not in ignored],
+            target,
+            param_init_fn,
+            module_names,
+            owners,
+            made,
+            keep_meta,
         )
     _move_buffers(module, target, ignored, sync_group)
+    if deferred or sync_group is not None:
+        _record_unfilled(module, all_handles, made.buffers, sync_group)
     cast_buffers(module, mp.buffer_dtype if mp is not None else None, ignored | set(full_precision))
     if opts.activation_checkpointing_policy is not None:
         _checkpoint_inside_units(module, opts.activation_checkpointing_policy, ignored)
@@ -293,6 +315,44 @@ def _move_buffers(
                 m._buffers[name] = buf
             if sync_group is not None:
                 dist.broadcast(buf, src=dist.get_global_rank(sync_group, 0), group=sync_group)
+
+
+def _record_unfilled(
+    root: nn.Module, handles: list[FlatParamHandle], buffers: list[BufferMark], sync_group: Any | None
+) -> None:
+    """Keep what nothing gave values on the root unit and its handles, the same on every rank (with
+    ``sync_module_states``, rank 0's lists: the others hold its broadcast values); a ``load_state_dict`` given
+    one of those parameters fills it. See [Note: unfilled tensors]."""
+    if sync_group is not None:
+        lists: list[Any] = [[sorted(h.unfilled) for h in handles], [b.name for b in buffers]]
+        dist.broadcast_object_list(lists, src=dist.get_global_rank(sync_group, 0), group=sync_group)
+        for h, unfilled in zip(handles, lists[0], strict=True):
+            h.unfilled = set(unfilled)
+        buffers = []
+        for name in lists[1]:
+            path, _, attr = name.rpartition(".")
+            holder = root.get_submodule(path)
+            tensor = holder._buffers[attr]
+            assert tensor is not None
+            buffers.append(BufferMark(holder, attr, name, tensor, tensor._version))
+    state = get_unit_state(root)
+    assert state is not None
+    state.unfilled_buffers = buffers
+    watched: dict[nn.Module, list[tuple[str, FlatParamHandle, int]]] = {}
+    for h in handles:
+        for i in h.unfilled:
+            for holder, attr in h.aliases[i]:
+                watched.setdefault(holder, []).append((attr, h, i))
+    for holder, entries in watched.items():
+        holder.register_load_state_dict_pre_hook(functools.partial(_filled_by_load, entries))
+
+
+def _filled_by_load(
+    entries: list[tuple[str, FlatParamHandle, int]], module: nn.Module, state_dict: Any, prefix: str, *_: Any
+) -> None:
+    for attr, handle, i in entries:
+        if prefix + attr in state_dict:
+            handle.mark_filled(i)
 
 
 def is_sharded(module: nn.Module) -> bool:

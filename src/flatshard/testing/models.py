@@ -48,6 +48,11 @@ class TinyGPT(nn.Module):
             self.head.weight = self.wte.weight
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
 
+    def reset_parameters(self) -> None:
+        """The module's own state (its children have their own): ``steps`` back to zero."""
+        with torch.no_grad():
+            self.steps.zero_()
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
         h = self.wte(idx) + self.wpe(pos)

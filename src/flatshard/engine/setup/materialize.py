@@ -13,23 +13,36 @@ heap blocks would stay with the process (glibc does not hand them back or reuse 
 pattern), and peak RSS would grow by the whole model after all. Measured on 16 x 16 MiB linears on 2
 ranks: RSS grows by 0.64x the model with mappings, 1.5x with heap blocks.
 
-Meta buffers become zeros before the init function runs (``reset_parameters`` of batch norm and the
-like sets them properly); buffers nobody sets stay zero on every rank rather than holding garbage.
-A module with meta parameters, no ``reset_parameters`` and no ``param_init_fn`` is an error: its values
-would be uninitialized memory.
+Each module gets its values from the first that applies: ``param_init_fn(module)``; inside a Hugging Face
+``PreTrainedModel``, the model's own ``_init_weights(module)`` for the buffers (rotary ``inv_freq`` as
+``from_pretrained`` computes it), the parameters left for a checkpoint; the module's ``reset_parameters()``
+(called, as torch FSDP does, on each module holding parameters or buffers of its own). A parameter or buffer none of them writes is not made zeros: it is *unfilled*
+(see [Note: unfilled tensors]); an unfilled parameter keeps no full storage when nothing needs it (the
+unit's shard is built from pieces), so a model that ``load_pretrained`` fills never exists in full on
+any rank.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
 from flatshard.engine.setup.wrap import UnitPlan
 from flatshard.engine.transport import memory
+from flatshard.engine.unfilled import BufferMark, fill_marker, holds_marker
 
-__all__ = ["ParamInitFn", "has_meta_tensors", "materialize_modules", "materialize_unit"]
+__all__ = [
+    "Materialized",
+    "ParamInitFn",
+    "has_meta_tensors",
+    "hf_owners",
+    "materialize_modules",
+    "materialize_unit",
+]
 
 ParamInitFn = Callable[[nn.Module], None]
 
@@ -47,50 +60,131 @@ def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty_like(t, device=device)
 
 
+def _hf_owner(module: nn.Module, owners: dict[nn.Module, nn.Module]) -> nn.Module | None:
+    return owners.get(module)
+
+
+def hf_owners(root: nn.Module) -> dict[nn.Module, nn.Module]:
+    """Each module under ``root`` inside a Hugging Face ``PreTrainedModel``: the innermost such model."""
+    transformers = sys.modules.get("transformers")
+    base = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
+    if base is None:
+        return {}
+    owners: dict[nn.Module, nn.Module] = {}
+
+    def walk(m: nn.Module, owner: nn.Module | None) -> None:
+        if isinstance(m, base):
+            owner = m
+        if owner is not None:
+            owners[m] = owner
+        for child in m.children():
+            walk(child, owner)
+
+    walk(root, None)
+    return owners
+
+
+@dataclass
+class Materialized:
+    """What materializing left unfilled (see [Note: unfilled tensors]): parameters by identity, buffers."""
+
+    params: set[int] = field(
+        default_factory=set
+    )  # id() of unfilled parameters (on meta, or holding the marker)
+    buffers: list[BufferMark] = field(default_factory=list)
+
+
+def _written(module: nn.Module, attr: str, before: torch.Tensor, version: int, table: str) -> bool:
+    now = getattr(module, table).get(attr)
+    if now is None:
+        return True  # removed: nothing to fill
+    return now is not before or now._version != version or (not now.is_meta and not holds_marker(now))
+
+
 def materialize_modules(
     modules: Iterable[nn.Module],
     device: torch.device,
     init_fn: ParamInitFn | None,
     names: dict[nn.Module, str],
+    owners: dict[nn.Module, nn.Module],
+    out: Materialized,
+    keep_meta: bool = True,
 ) -> None:
-    """Give each module's own meta tensors storage on ``device`` and initialize them (see the module note)."""
+    """Give each module's own meta tensors storage on ``device`` and values (see the module note); record
+    in ``out`` what stays unfilled. ``keep_meta``: unfilled parameters keep no storage (else they get
+    storage holding the marker, for a broadcast to fill)."""
     for module in modules:
-        own_params = [p for p in module._parameters.values() if p is not None]
-        own_buffers = [name for name, b in module._buffers.items() if b is not None and b.is_meta]
-        if not any(p.is_meta for p in own_params) and not own_buffers:
+        own_params = {n: p for n, p in module._parameters.items() if p is not None and p.is_meta}
+        own_buffers = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
+        if not own_params and not own_buffers:
             continue
-        if init_fn is None and any(p.is_meta for p in own_params) and not hasattr(module, "reset_parameters"):
-            raise ValueError(
-                f"{type(module).__name__} ({names.get(module, '?')!r}) has parameters on the meta device but no "
-                "reset_parameters() to initialize them after materialization. HINT: add reset_parameters() to "
-                "the module, or pass param_init_fn=fn, which gets each such module with storage allocated and "
-                "must initialize its parameters in place."
-            )
-        module._apply(lambda t: _empty_like(t, device), recurse=False)  # to_empty(recurse=False)
+        where = names.get(module, "?")
+        owner = _hf_owner(module, owners)
+        hf = init_fn is None and owner is not None
+        by_reset = init_fn is None and not hf and hasattr(module, "reset_parameters")
+        fill_params = init_fn is not None or by_reset
+        for attr in own_buffers:
+            buf = module._buffers[attr]
+            assert buf is not None
+            module._buffers[attr] = _empty_like(buf, device)
+        if fill_params or not keep_meta:
+            for attr in own_params:
+                p = module._parameters[attr]
+                assert p is not None
+                module._parameters[attr] = nn.Parameter(_empty_like(p, device), requires_grad=p.requires_grad)
+        before = {
+            (table, attr): (t, t._version)
+            for table in ("_parameters", "_buffers")
+            for attr, t in getattr(module, table).items()
+            if t is not None and (attr in own_params or attr in own_buffers) and not t.is_meta
+        }
+        for t, _ in before.values():
+            fill_marker(t)
+        before = {k: (t, t._version) for k, (t, _) in before.items()}
         with torch.no_grad():
-            for name in own_buffers:
-                buf = module._buffers[name]
-                if buf is not None:
-                    buf.zero_()
             if init_fn is not None:
                 init_fn(module)
-            elif own_params:
+            elif hf:
+                assert owner is not None
+                owner._init_weights(module)  # type: ignore[operator]
+            elif by_reset:
                 module.reset_parameters()  # type: ignore[operator]
-        still = [
+        for (table, attr), (t, version) in before.items():
+            if _written(module, attr, t, version, table):
+                continue
+            if table == "_buffers":
+                out.buffers.append(BufferMark(module, attr, _join(where, attr), t, t._version))
+            else:
+                out.params.add(id(t))
+        for attr, p in own_params.items():
+            if module._parameters.get(attr) is p:  # left on the meta device: unfilled, no storage
+                out.params.add(id(p))
+        still = [n for n, t in module._buffers.items() if t is not None and t.is_meta]
+        still += [
             n
-            for n, t in (*module._parameters.items(), *module._buffers.items())
-            if t is not None and t.is_meta
+            for n, t in module._parameters.items()
+            if t is not None and t.is_meta and own_params.get(n) is not t
         ]
         if still:
             raise ValueError(
-                f"{type(module).__name__} ({names.get(module, '?')!r}) still has meta tensors {still} after "
-                "initialization. HINT: param_init_fn must initialize the module's tensors in place (or call "
+                f"{type(module).__name__} ({where!r}) still has meta tensors {still} after initialization. HINT: "
+                "param_init_fn must initialize the module's tensors in place (or call "
                 "module.to_empty(device=..., recurse=False) itself)."
             )
 
 
+def _join(prefix: str, attr: str) -> str:
+    return attr if prefix in ("", "<root>") else f"{prefix}.{attr}"
+
+
 def materialize_unit(
-    plan: UnitPlan, device: torch.device, init_fn: ParamInitFn | None, names: dict[nn.Module, str]
+    plan: UnitPlan,
+    device: torch.device,
+    init_fn: ParamInitFn | None,
+    names: dict[nn.Module, str],
+    owners: dict[nn.Module, nn.Module],
+    out: Materialized,
+    keep_meta: bool = True,
 ) -> None:
     """Materialize the modules holding ``plan``'s parameters and re-acquire them by name, in place."""
     holders: list[nn.Module] = []
@@ -98,7 +192,7 @@ def materialize_unit(
         for module, _ in aliases:
             if module not in holders:
                 holders.append(module)
-    materialize_modules(holders, device, init_fn, names)
+    materialize_modules(holders, device, init_fn, names, owners, out, keep_meta)
     for i, aliases in enumerate(plan.aliases):
         first_module, first_name = aliases[0]
         param = first_module._parameters[first_name]

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from flatshard.engine.handle import FlatParamHandle, handle_of_param
 from flatshard.engine.precision import original_buffer_dtypes
-from flatshard.engine.runtime import Summoned, TrainingState, UnitState, unit_states
+from flatshard.engine.runtime import Summoned, TrainingState, UnitState, raise_if_unfilled, unit_states
 from flatshard.engine.state.stand_ins import saved_piece, saved_value, stand_in
 from flatshard.engine.state.stream_gather import GatherItem, gather_items
 from flatshard.engine.transport import comm
@@ -58,6 +58,8 @@ def prepare_for_state_io(module: nn.Module, what: str, reading: bool = False) ->
                 f"{what} was called during the forward or backward of {type(s.module).__name__} "
                 f"(state {s.training_state.value}). HINT: call it between training steps."
             )
+    if reading:  # a save of values nothing gave: see [Note: unfilled tensors]
+        raise_if_unfilled(states, f"{what} was called (to save the model)")
     for s in states:
         if s.summoned is Summoned.NO:
             for handle in s.handles:
@@ -228,6 +230,7 @@ def load_full_model_state_dict(
             _, handle, idx = entry
             assert handle is not None
             info = handle.shard_infos[idx]
+            handle.mark_filled(idx)
             if info.numel_in_shard:
                 src = value.reshape(-1)[info.offset_in_param : info.offset_in_param + info.numel_in_shard]
                 handle.sharded[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard].copy_(src)
