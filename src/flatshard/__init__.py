@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from flatshard.checkpoint import CheckpointError, consolidate, load_checkpoint, save_checkpoint
+from flatshard.checkpoint import (
+    CheckpointError,
+    PretrainedLoad,
+    consolidate,
+    load_checkpoint,
+    load_pretrained,
+    save_checkpoint,
+)
 from flatshard.engine import (
     EMA,
     BackwardPrefetch,
@@ -75,6 +82,7 @@ __all__ = [
     "FlatShardStrategy",
     "MixedPrecision",
     "ParamShard",
+    "PretrainedLoad",
     "ShardOptions",
     "ShardingStrategy",
     "UnfilledError",
@@ -86,6 +94,7 @@ __all__ = [
     "is_sharded",
     "join",
     "load_checkpoint",
+    "load_pretrained",
     "no_sync",
     "original_shapes",
     "register_forward_method",

@@ -24,6 +24,7 @@ from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.export import export_safetensors, load_safetensors, output_format
 from flatshard.checkpoint.files import atomic_save, load_checkpoint_file, write_full_checkpoint
 from flatshard.checkpoint.load import load_checkpoint, load_full_entries, load_into
+from flatshard.checkpoint.pretrained import PretrainedLoad, load_pretrained
 from flatshard.checkpoint.save import StateDictType, save_checkpoint
 from flatshard.checkpoint.save_round import gather_for_save
 from flatshard.checkpoint.storage import is_url, locate, remove_checkpoint, size_of
@@ -37,6 +38,7 @@ __all__ = [
     "ModelState",
     "Names",
     "OptimizerState",
+    "PretrainedLoad",
     "ShardedReader",
     "StateDictType",
     "atomic_save",
@@ -52,6 +54,7 @@ __all__ = [
     "load_checkpoint_file",
     "load_full_entries",
     "load_into",
+    "load_pretrained",
     "load_safetensors",
     "locate",
     "output_format",

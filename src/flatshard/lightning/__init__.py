@@ -3,6 +3,7 @@
 from flatshard.lightning.ema import ShardedEMA
 from flatshard.lightning.fabric import FlatShardFabricStrategy
 from flatshard.lightning.precision import FlatShardGradScaler, FlatShardPrecision
+from flatshard.lightning.pretrained import LoadPretrained
 from flatshard.lightning.strategy import FlatShardStrategy
 from flatshard.strategy_names import register_names
 
@@ -11,6 +12,7 @@ __all__ = [
     "FlatShardGradScaler",
     "FlatShardPrecision",
     "FlatShardStrategy",
+    "LoadPretrained",
     "ShardedEMA",
     "register",
 ]
