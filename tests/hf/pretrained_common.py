@@ -37,7 +37,11 @@ def write_checkpoint(
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
-    model.save_pretrained(out, max_shard_size=max_shard_size, safe_serialization=safe)
+    if safe:
+        model.save_pretrained(out, max_shard_size=max_shard_size)
+    else:  # transformers no longer writes .bin checkpoints; older ones hold exactly this
+        model.config.save_pretrained(out)
+        torch.save(model.state_dict(), out / "pytorch_model.bin")
     return out
 
 

@@ -103,8 +103,9 @@ def _fabric_run(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
 
-    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=flatshard.FlatShardFabricStrategy(
-        auto_wrap_policy={BLOCK}))
+    fabric = L.Fabric(
+        accelerator="cpu", devices=world, strategy=flatshard.FlatShardFabricStrategy(auto_wrap_policy={BLOCK})
+    )
     fabric.launch()
     with fabric.init_module(empty_init=True):
         model = AutoModelForCausalLM.from_config(llama_config())
@@ -123,7 +124,9 @@ def _fabric_run(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     ref_losses = []
     for (batch,) in _loader(1):
-        halves = [batch[r * (GLOBAL_BATCH // world) : (r + 1) * (GLOBAL_BATCH // world)] for r in range(world)]
+        halves = [
+            batch[r * (GLOBAL_BATCH // world) : (r + 1) * (GLOBAL_BATCH // world)] for r in range(world)
+        ]
         total = sum(ref(input_ids=h, labels=h).loss for h in halves) / world
         total.backward()
         ref_opt.step()
@@ -140,3 +143,54 @@ def test_fabric_recipe_matches_reference(tmp_path: Path) -> None:
     for r in spawn(_fabric_run, 2, str(ckpt)):
         assert r["losses"] == pytest.approx(r["ref_losses"], abs=1e-5), r
         assert r["diff"] < 1e-5, r
+
+
+def _peft_run(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    """A LoRA model over a meta-built base: peft's own init for the adapters (B zero, so the model starts as
+    the base), the base loaded by load_pretrained; trained against the same model built by from_pretrained."""
+    torch.set_num_threads(1)
+    from peft import LoraConfig, get_peft_model
+
+    from .pretrained_common import meta_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = get_peft_model(meta_model(), config)
+    flatshard.shard(model, auto_wrap_policy={BLOCK})
+    result = flatshard.load_pretrained(model, ckpt)
+    ref = get_peft_model(reference(Path(ckpt)), LoraConfig(**config.to_dict()))
+    full, _ = flatshard.get_state_dict(model, rank0_only=False)
+    b_zero = all(float(v.abs().max()) == 0.0 for k, v in full.items() if "lora_B" in k)
+    ref.load_state_dict({k: v for k, v in full.items() if "lora_" in k}, strict=False)  # the same A
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    per = GLOBAL_BATCH // world
+    diffs = []
+    for (batch,) in _loader(1):
+        mine = batch[rank * per : (rank + 1) * per]
+        loss = model(input_ids=mine, labels=mine).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = sum(ref(input_ids=h, labels=h).loss for h in batch.split(per)) / world
+        total.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        diffs.append(abs(float(mean) / world - float(total)))
+    full, _ = flatshard.get_state_dict(model, rank0_only=False)
+    weight_diff = max(float((full[k] - v).abs().max()) for k, v in ref.state_dict().items())
+    return {
+        "b_zero": b_zero,
+        "loss_diffs": diffs,
+        "weight_diff": weight_diff,
+        "lora_not_read": not any("lora_" in n for n in result.loaded) and result.missing == [],
+    }
+
+
+@pytest.mark.timeout(300)
+def test_peft_lora_over_a_loaded_base(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path / "hf", max_shard_size="20KB")
+    for r in spawn(_peft_run, 2, str(ckpt)):
+        assert r["b_zero"] and r["lora_not_read"], r
+        assert max(r["loss_diffs"]) < 1e-5 and r["weight_diff"] < 1e-5, r

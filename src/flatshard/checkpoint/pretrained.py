@@ -41,7 +41,9 @@ from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.hf_source import PretrainedSource, SourceTensor, open_source
 from flatshard.checkpoint.validate import agree_on_error
 from flatshard.engine import (
+    Initializers,
     Materialized,
+    adapters_of,
     handle_of_param,
     hf_owners,
     materialize_modules,
@@ -161,8 +163,13 @@ def _match(
     module: nn.Module, src: PretrainedSource, prefix: str
 ) -> tuple[list[_Target], list[str], list[str]]:
     by_tensor: dict[int, _Target] = {}
+    adapter_weights = {  # peft adapters: initialized by peft, never in a base checkpoint
+        id(t)
+        for holder in adapters_of(module)
+        for t in (*holder._parameters.values(), *holder._buffers.values())
+    }
     for key, value in module.state_dict(keep_vars=True).items():
-        if not isinstance(value, torch.Tensor) or not key.startswith(prefix):
+        if not isinstance(value, torch.Tensor) or not key.startswith(prefix) or id(value) in adapter_weights:
             continue
         target = by_tensor.setdefault(id(value), _Target(value))
         target.names.append(key)
@@ -276,7 +283,9 @@ def _materialize_whole(module: nn.Module) -> None:
             if p is not None:
                 holders.setdefault(id(p), []).append((m, attr))
     names = {m: n or "<root>" for n, m in module.named_modules()}
-    materialize_modules(list(module.modules()), device, None, names, hf_owners(module), Materialized(), False)
+    materialize_modules(
+        list(module.modules()), device, None, names, Initializers.of(module), Materialized(), False
+    )
     for places in holders.values():  # re-tie: each holder got a tensor of its own
         first_module, first_attr = places[0]
         for m, attr in places[1:]:

@@ -42,9 +42,16 @@ from flatshard.engine.runtime import (
     unit_states,
 )
 from flatshard.engine.setup.activation_checkpointing import CheckFn
-from flatshard.engine.setup.materialize import Materialized, hf_owners, materialize_modules
+from flatshard.engine.setup.materialize import (
+    Initializers,
+    Materialized,
+    adapters_of,
+    hf_owners,
+    materialize_modules,
+)
 from flatshard.engine.setup.wrap import Policy
 from flatshard.engine.shard import is_sharded, no_sync, shard
+from flatshard.engine.state.full_entries import FullEntry, full_entries
 from flatshard.engine.state.full_model import (
     check_full_model_state_dict,
     full_model_state_dict,
@@ -52,7 +59,6 @@ from flatshard.engine.state.full_model import (
     parameter_names,
     prepare_for_state_io,
 )
-from flatshard.engine.state.full_entries import FullEntry, full_entries
 from flatshard.engine.state.full_optim import (
     convert_full_optim_state_dict,
     full_optim_state_dict,
@@ -96,6 +102,7 @@ __all__ = [
     "ForwardCall",
     "FullEntry",
     "FullStates",
+    "Initializers",
     "JoinState",
     "Materialized",
     "MixedPrecision",
@@ -107,6 +114,7 @@ __all__ = [
     "ShardingStrategy",
     "UnfilledError",
     "UnitLayout",
+    "adapters_of",
     "begin_backward_in_forward",
     "begin_join",
     "check_decay",

@@ -25,9 +25,9 @@ from flatshard.engine.precision import (
 from flatshard.engine.runtime import STATE_ATTR, UnitState, get_unit_state, unit_states
 from flatshard.engine.setup.activation_checkpointing import CheckFn, apply_activation_checkpointing
 from flatshard.engine.setup.materialize import (
+    Initializers,
     Materialized,
     has_meta_tensors,
-    hf_owners,
     materialize_modules,
     materialize_unit,
 )
@@ -146,13 +146,13 @@ def shard(
         keep_full_precision(m, next((p.dtype for p in m.parameters()), torch.float32))
     full_precision_set = set(full_precision)
     module_names = {m: n or "<root>" for n, m in module.named_modules()}
-    owners = hf_owners(module) if deferred else {}
+    inits = Initializers.of(module) if deferred else Initializers()
     made = Materialized()  # what nothing gave values: see [Note: unfilled tensors]
     keep_meta = sync_group is None  # else rank 0's values are broadcast into full storage
     all_handles: list[FlatParamHandle] = []
     for plan in plans:
         if deferred:  # see [Note: materializing unit by unit]
-            materialize_unit(plan, target, param_init_fn, module_names, owners, made, keep_meta)
+            materialize_unit(plan, target, param_init_fn, module_names, inits, made, keep_meta)
         handles = [
             FlatParamHandle(
                 [plan.params[i] for i in members],
@@ -177,7 +177,7 @@ def shard(
             target,
             param_init_fn,
             module_names,
-            owners,
+            inits,
             made,
             keep_meta,
         )

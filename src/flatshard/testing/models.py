@@ -50,8 +50,9 @@ class TinyGPT(nn.Module):
 
     def reset_parameters(self) -> None:
         """The module's own state (its children have their own): ``steps`` back to zero."""
+        steps = self.get_buffer("steps")
         with torch.no_grad():
-            self.steps.zero_()
+            steps.zero_()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)

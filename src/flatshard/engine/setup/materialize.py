@@ -16,7 +16,9 @@ ranks: RSS grows by 0.64x the model with mappings, 1.5x with heap blocks.
 Each module gets its values from the first that applies: ``param_init_fn(module)``; inside a Hugging Face
 ``PreTrainedModel``, the model's own ``_init_weights(module)`` for the buffers (rotary ``inv_freq`` as
 ``from_pretrained`` computes it), the parameters left for a checkpoint; the module's ``reset_parameters()``
-(called, as torch FSDP does, on each module holding parameters or buffers of its own). A parameter or buffer none of them writes is not made zeros: it is *unfilled*
+(called, as torch FSDP does, on each module holding parameters or buffers of its own); a peft LoRA adapter's
+weights, inside a Hugging Face model or not, get peft's own ``reset_lora_parameters`` (B zero), called once
+the unit's adapter weights all have storage. A parameter or buffer none of them writes is not made zeros: it is *unfilled*
 (see [Note: unfilled tensors]); an unfilled parameter keeps no full storage when nothing needs it (the
 unit's shard is built from pieces), so a model that ``load_pretrained`` fills never exists in full on
 any rank.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -36,6 +39,8 @@ from flatshard.engine.transport import memory
 from flatshard.engine.unfilled import BufferMark, fill_marker, holds_marker
 
 __all__ = [
+    "Adapter",
+    "Initializers",
     "Materialized",
     "ParamInitFn",
     "has_meta_tensors",
@@ -60,10 +65,6 @@ def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty_like(t, device=device)
 
 
-def _hf_owner(module: nn.Module, owners: dict[nn.Module, nn.Module]) -> nn.Module | None:
-    return owners.get(module)
-
-
 def hf_owners(root: nn.Module) -> dict[nn.Module, nn.Module]:
     """Each module under ``root`` inside a Hugging Face ``PreTrainedModel``: the innermost such model."""
     transformers = sys.modules.get("transformers")
@@ -82,6 +83,58 @@ def hf_owners(root: nn.Module) -> dict[nn.Module, nn.Module]:
 
     walk(root, None)
     return owners
+
+
+_ADAPTER_ATTRS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
+_ADAPTER_INITS = (True, False, "gaussian")  # peft initializations that do not read the base weights
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A peft LoRA layer's adapter whose weights a module holds, and how peft initializes them."""
+
+    layer: nn.Module
+    name: str
+    init: Any
+
+
+def adapters_of(root: nn.Module) -> dict[nn.Module, list[Adapter]]:
+    """The modules under ``root`` holding peft LoRA adapter weights, with their layer and adapter names."""
+    out: dict[nn.Module, list[Adapter]] = {}
+
+    def walk(m: nn.Module, configs: Any) -> None:
+        configs = (
+            getattr(m, "peft_config", None) if isinstance(getattr(m, "peft_config", None), dict) else configs
+        )
+        if hasattr(m, "reset_lora_parameters"):
+            for attr in _ADAPTER_ATTRS:
+                container = getattr(m, attr, None)
+                if isinstance(container, (nn.ModuleDict, nn.ParameterDict)):
+                    for key in container.keys():
+                        init = getattr((configs or {}).get(key), "init_lora_weights", True)
+                        holders = (
+                            container[key].modules() if isinstance(container, nn.ModuleDict) else [container]
+                        )
+                        for holder in holders:
+                            out.setdefault(holder, []).append(Adapter(m, key, init))
+        for child in m.children():
+            walk(child, configs)
+
+    walk(root, None)
+    return out
+
+
+@dataclass(frozen=True)
+class Initializers:
+    """Where the values of a meta-built model's modules come from, besides ``param_init_fn`` and
+    ``reset_parameters`` (see the module note)."""
+
+    hf: dict[nn.Module, nn.Module] = field(default_factory=dict)  # module -> its Hugging Face model
+    adapters: dict[nn.Module, list[Adapter]] = field(default_factory=dict)  # module -> peft adapters it holds
+
+    @classmethod
+    def of(cls, root: nn.Module) -> Initializers:
+        return cls(hf_owners(root), adapters_of(root))
 
 
 @dataclass
@@ -106,23 +159,27 @@ def materialize_modules(
     device: torch.device,
     init_fn: ParamInitFn | None,
     names: dict[nn.Module, str],
-    owners: dict[nn.Module, nn.Module],
+    inits: Initializers,
     out: Materialized,
     keep_meta: bool = True,
 ) -> None:
     """Give each module's own meta tensors storage on ``device`` and values (see the module note); record
     in ``out`` what stays unfilled. ``keep_meta``: unfilled parameters keep no storage (else they get
     storage holding the marker, for a broadcast to fill)."""
+    written: list[
+        tuple[nn.Module, dict[tuple[str, str], tuple[torch.Tensor, int]], dict[str, nn.Parameter]]
+    ] = []
+    adapters: dict[tuple[int, str], Adapter] = {}  # peft adapters to initialize once their weights exist
     for module in modules:
         own_params = {n: p for n, p in module._parameters.items() if p is not None and p.is_meta}
         own_buffers = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
         if not own_params and not own_buffers:
             continue
-        where = names.get(module, "?")
-        owner = _hf_owner(module, owners)
-        hf = init_fn is None and owner is not None
-        by_reset = init_fn is None and not hf and hasattr(module, "reset_parameters")
-        fill_params = init_fn is not None or by_reset
+        owner = inits.hf.get(module)
+        peft = inits.adapters.get(module, []) if init_fn is None else []
+        hf = init_fn is None and owner is not None and not peft
+        by_reset = init_fn is None and not hf and not peft and hasattr(module, "reset_parameters")
+        fill_params = init_fn is not None or by_reset or bool(peft)
         for attr in own_buffers:
             buf = module._buffers[attr]
             assert buf is not None
@@ -132,15 +189,12 @@ def materialize_modules(
                 p = module._parameters[attr]
                 assert p is not None
                 module._parameters[attr] = nn.Parameter(_empty_like(p, device), requires_grad=p.requires_grad)
-        before = {
-            (table, attr): (t, t._version)
-            for table in ("_parameters", "_buffers")
-            for attr, t in getattr(module, table).items()
-            if t is not None and (attr in own_params or attr in own_buffers) and not t.is_meta
-        }
-        for t, _ in before.values():
-            fill_marker(t)
-        before = {k: (t, t._version) for k, (t, _) in before.items()}
+        before: dict[tuple[str, str], tuple[torch.Tensor, int]] = {}
+        for table in ("_parameters", "_buffers"):
+            for attr, t in getattr(module, table).items():
+                if t is not None and (attr in own_params or attr in own_buffers) and not t.is_meta:
+                    fill_marker(t)
+                    before[(table, attr)] = (t, t._version)
         with torch.no_grad():
             if init_fn is not None:
                 init_fn(module)
@@ -149,6 +203,20 @@ def materialize_modules(
                 owner._init_weights(module)  # type: ignore[operator]
             elif by_reset:
                 module.reset_parameters()  # type: ignore[operator]
+        for adapter in peft:
+            adapters[(id(adapter.layer), adapter.name)] = adapter
+        written.append((module, before, own_params))
+    with torch.no_grad():
+        for adapter in adapters.values():  # after all its weights exist: it sets A and B together
+            if adapter.init not in _ADAPTER_INITS:
+                raise ValueError(
+                    f"peft's init_lora_weights={adapter.init!r} ({names.get(adapter.layer, '?')!r}) computes the "
+                    "adapter from the base weights, which a meta-built model does not have yet. HINT: create the "
+                    "adapter with init_lora_weights=True or 'gaussian', or apply peft after the weights are loaded."
+                )
+            adapter.layer.reset_lora_parameters(adapter.name, adapter.init)  # type: ignore[operator]
+    for module, before, own_params in written:
+        where = names.get(module, "?")
         for (table, attr), (t, version) in before.items():
             if _written(module, attr, t, version, table):
                 continue
@@ -182,7 +250,7 @@ def materialize_unit(
     device: torch.device,
     init_fn: ParamInitFn | None,
     names: dict[nn.Module, str],
-    owners: dict[nn.Module, nn.Module],
+    inits: Initializers,
     out: Materialized,
     keep_meta: bool = True,
 ) -> None:
@@ -192,7 +260,7 @@ def materialize_unit(
         for module, _ in aliases:
             if module not in holders:
                 holders.append(module)
-    materialize_modules(holders, device, init_fn, names, owners, out, keep_meta)
+    materialize_modules(holders, device, init_fn, names, inits, out, keep_meta)
     for i, aliases in enumerate(plan.aliases):
         first_module, first_name = aliases[0]
         param = first_module._parameters[first_name]
