@@ -181,7 +181,7 @@ def _cat_ranges(items: list[tuple[FileRef, int, int]]) -> list[Any]:
 def read_error(file: FileRef, tensor: str, err: BaseException) -> CheckpointError:
     """The error for a read of ``tensor``'s bytes in ``file`` that failed."""
     if isinstance(file.location, Remote):
-        return CheckpointError(f"{storage_error(file.location, err, f'read tensor {tensor!r}')}")
+        return storage_error(file.location, err, f"read tensor {tensor!r}")
     return CheckpointError(
         f"Reading tensor {tensor!r} from {file} failed ({type(err).__name__}: {err}). HINT: check the disk and "
         "that the file is not being replaced; open the checkpoint again."
