@@ -17,6 +17,7 @@ from flatshard.checkpoint import (
     load_checkpoint,
     load_pretrained,
     save_checkpoint,
+    save_pretrained,
 )
 from flatshard.engine import (
     EMA,
@@ -100,6 +101,7 @@ __all__ = [
     "register_forward_method",
     "register_whole_tensor_optimizer",
     "save_checkpoint",
+    "save_pretrained",
     "set_state_dict",
     "shard",
     "unshard_params",

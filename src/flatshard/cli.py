@@ -8,6 +8,8 @@
   file (a plain Lightning checkpoint), on one process, without a GPU or a process group.
   ``flatshard consolidate SRC OUT.safetensors`` writes the model weights only (SRC a directory or a full
   file; ``--prefix``, ``--ema``), for inference tools: see ``flatshard/checkpoint/export.py``.
+  ``flatshard consolidate SRC OUT_DIR/`` writes them as a Hugging Face model directory (``--max-shard-size``,
+  ``--dtype``): see ``flatshard/checkpoint/hf_export.py``.
 
 Every path may also be an fsspec URL (``s3://bucket/run/last.ckpt``).
 """
@@ -134,35 +136,79 @@ def _consolidate(src: str, out: str) -> int:
 
 
 def _consolidate_to(args: argparse.Namespace) -> int:
-    """``consolidate`` in the format OUT's suffix names: ``.ckpt`` as :func:`_consolidate`, ``.safetensors``
-    the model weights (see [Note: safetensors export])."""
+    """``consolidate`` in the format OUT names: ``.ckpt`` as :func:`_consolidate`, ``.safetensors`` the model
+    weights (see [Note: safetensors export]), ``OUT_DIR/`` the weights as a Hugging Face model directory (see
+    [Note: Hugging Face model directory])."""
     import time
 
-    from flatshard.checkpoint import CheckpointError, export_safetensors, output_format
+    from flatshard.checkpoint import CheckpointError, export_pretrained, export_safetensors, output_format
 
     start = time.perf_counter()
     ema: bool | str = args.ema_key or args.ema
+    files = ""
     try:
-        if output_format(args.out) == ".ckpt":
+        kind = output_format(args.out)
+        if kind != "/" and (args.max_shard_size is not None or args.dtype is not None):
+            raise CheckpointError(
+                "--max-shard-size and --dtype shape a Hugging Face model directory. HINT: end the output with '/' "
+                "(OUT_DIR/)."
+            )
+        if kind == ".ckpt":
             if args.prefix or ema:
                 raise CheckpointError(
                     "--prefix, --ema and --ema-key select model weights for a .safetensors export; a .ckpt "
-                    "output is the whole checkpoint. HINT: name the output OUT.safetensors."
+                    "output is the whole checkpoint. HINT: name the output OUT.safetensors (or OUT_DIR/)."
                 )
             return _consolidate(args.src, args.out)
-        result = export_safetensors(
-            args.src, args.out, prefix=args.prefix, ema=ema, progress=sys.stderr.isatty()
-        )
+        if kind == "/":
+            exported = export_pretrained(
+                args.src,
+                args.out,
+                prefix=args.prefix,
+                ema=ema,
+                max_shard_size=args.max_shard_size or "5GB",
+                dtype=args.dtype,
+                progress=sys.stderr.isatty(),
+            )
+            path, tensors, nbytes, notes = exported.path, exported.tensors, exported.nbytes, exported.notes
+            files = f", {len(exported.files)} files" if len(exported.files) > 1 else ", 1 file"
+        else:
+            result = export_safetensors(
+                args.src, args.out, prefix=args.prefix, ema=ema, progress=sys.stderr.isatty()
+            )
+            path, tensors, nbytes, notes = result.path, result.tensors, result.nbytes, result.notes
     except (CheckpointError, FileNotFoundError, IsADirectoryError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    for note in result.notes:
+    for note in notes:
         print(f"note: {note}")
     print(
-        f"wrote {result.path} ({result.nbytes / 2**20:.1f} MiB, {result.tensors} tensors"
+        f"wrote {path} ({nbytes / 2**20:.1f} MiB, {tensors} tensors{files}"
         f"{', EMA weights' if ema else ''}) in {time.perf_counter() - start:.1f}s"
     )
     return 0
+
+
+def _size(text: str) -> str:
+    """``--max-shard-size``: checked when parsed, passed on as given."""
+    from flatshard.checkpoint import parse_max_shard_size
+
+    try:
+        parse_max_shard_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+    return text
+
+
+def _dtype(text: str) -> str:
+    """``--dtype``: checked when parsed, passed on as given."""
+    from flatshard.checkpoint import parse_dtype
+
+    try:
+        parse_dtype(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -174,26 +220,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     consolidate = sub.add_parser(
         "consolidate",
         help="turn a sharded checkpoint directory into one full checkpoint file (.ckpt), or export the model "
-        "weights (.safetensors)",
+        "weights (.safetensors, or a Hugging Face model directory OUT_DIR/)",
     )
     consolidate.add_argument(
         "src",
         help="sharded checkpoint directory (state_dict_type='sharded'): a path or a URL (s3://...); for a "
-        ".safetensors OUT also a full .ckpt file",
+        ".safetensors or OUT_DIR/ output also a full .ckpt file",
     )
     consolidate.add_argument(
         "out",
-        help="the file to write, a path or a URL (replaced atomically if it exists); its suffix picks the "
-        "format: .ckpt (the full checkpoint) or .safetensors (the model weights only)",
+        help="what to write, a path or a URL (replaced atomically if it exists); its suffix picks the format: "
+        ".ckpt (the full checkpoint), .safetensors (the model weights only), or a trailing '/' (or an existing "
+        "directory): the model weights as a Hugging Face model directory (model.safetensors, or "
+        "model-0000k-of-0000n.safetensors and model.safetensors.index.json; other files there are kept)",
     )
     consolidate.add_argument(
         "--prefix",
         default="",
-        help=".safetensors only: keep the names that start with PREFIX, without it (e.g. 'model.' for a "
-        "LightningModule's self.model)",
+        help=".safetensors and OUT_DIR/ only: keep the names that start with PREFIX, without it (e.g. 'model.' "
+        "for a LightningModule's self.model)",
     )
     consolidate.add_argument(
-        "--ema", action="store_true", help=".safetensors only: export the EMA weights (ShardedEMA) instead"
+        "--ema",
+        action="store_true",
+        help=".safetensors and OUT_DIR/ only: export the EMA weights (ShardedEMA) instead",
+    )
+    consolidate.add_argument(
+        "--max-shard-size",
+        type=_size,
+        default=None,
+        help="OUT_DIR/ only: the size limit per file, as Hugging Face writes it: '5GB' (the default), '500MB', "
+        "'2GiB', or bytes",
+    )
+    consolidate.add_argument(
+        "--dtype",
+        type=_dtype,
+        default=None,
+        help="OUT_DIR/ only: cast floating-point weights to this dtype (bfloat16, float16, float32)",
     )
     consolidate.add_argument(
         "--ema-key",

@@ -22,10 +22,13 @@ from flatshard.checkpoint.dcp_layout import Names
 from flatshard.checkpoint.directory import ShardedReader, is_sharded_checkpoint
 from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.export import export_safetensors, load_safetensors, output_format
+from flatshard.checkpoint.export_pretrained import PretrainedExport, export_pretrained
 from flatshard.checkpoint.files import atomic_save, load_checkpoint_file, write_full_checkpoint
+from flatshard.checkpoint.hf_export import parse_dtype, parse_max_shard_size
 from flatshard.checkpoint.load import load_checkpoint, load_full_entries, load_into
 from flatshard.checkpoint.pretrained import PretrainedLoad, load_pretrained
 from flatshard.checkpoint.save import StateDictType, save_checkpoint
+from flatshard.checkpoint.save_pretrained import save_pretrained
 from flatshard.checkpoint.save_round import gather_for_save
 from flatshard.checkpoint.storage import is_url, locate, remove_checkpoint, size_of
 from flatshard.checkpoint.stream_save import ModelState, OptimizerState, save_full_streamed
@@ -38,6 +41,7 @@ __all__ = [
     "ModelState",
     "Names",
     "OptimizerState",
+    "PretrainedExport",
     "PretrainedLoad",
     "ShardedReader",
     "StateDictType",
@@ -46,6 +50,7 @@ __all__ = [
     "check_required",
     "check_state_dict_kinds",
     "consolidate",
+    "export_pretrained",
     "export_safetensors",
     "gather_for_save",
     "is_sharded_checkpoint",
@@ -58,9 +63,12 @@ __all__ = [
     "load_safetensors",
     "locate",
     "output_format",
+    "parse_dtype",
+    "parse_max_shard_size",
     "remove_checkpoint",
     "save_checkpoint",
     "save_full_streamed",
+    "save_pretrained",
     "size_of",
     "write_full_checkpoint",
     "write_sharded_checkpoint",

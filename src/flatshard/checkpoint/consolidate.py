@@ -18,7 +18,8 @@ import torch
 from flatshard.checkpoint.dcp_layout import Layout
 from flatshard.checkpoint.directory import OBJECT, ShardedReader
 from flatshard.checkpoint.errors import CheckpointError
-from flatshard.checkpoint.export import export_safetensors
+from flatshard.checkpoint.export import export_safetensors, is_directory_output
+from flatshard.checkpoint.export_pretrained import export_pretrained
 from flatshard.checkpoint.files import write_offline
 from flatshard.checkpoint.storage import Remote, locate_checked
 from flatshard.checkpoint.stream_file import StreamedTorchFile
@@ -35,10 +36,14 @@ def consolidate(src: str | os.PathLike[str] | Remote, out: str | os.PathLike[str
     The result is exactly what ``state_dict_type="full"`` would have written: a plain Lightning
     checkpoint whose optimizer states are in the plain optimizers' format. ``src`` and ``out`` are local
     paths or fsspec URLs; returns ``out`` (the URL for a URL). An ``out`` ending in ``.safetensors`` gets
-    the model weights only, as :func:`~flatshard.checkpoint.export_safetensors` writes them.
+    the model weights only, as :func:`~flatshard.checkpoint.export_safetensors` writes them; an ``out`` ending in
+    ``/`` (or an existing directory) the weights as a Hugging Face model directory, as
+    :func:`~flatshard.checkpoint.export_pretrained` writes them. For those two, ``src`` may be a full file too.
     """
     if str(out).lower().endswith(".safetensors"):  # never a torch pickle under that name
         return export_safetensors(src, out).path
+    if is_directory_output(out):
+        return export_pretrained(src, out).path
     target = locate_checked(out)  # an unreachable destination fails before anything is read
     reader = ShardedReader(src)
     layout = reader.layout()

@@ -24,6 +24,10 @@ What is written:
   as one tensor; ``safetensors.torch.load_file`` returns the stored names only, and ``from_pretrained``
   re-ties the rest. Views that only overlap are stored as separate tensors.
 - every tensor contiguous; entries that are not tensors (``_extra_state`` objects) left out, with a note.
+- every dtype of the safetensors specification, by the codes of
+  :mod:`~flatshard.checkpoint.safetensors_format` (float8 and float4 included). A tensor of any other dtype
+  (complex32, complex128, quantized, bits, uint1-7 / int1-7) is refused before the file is created, with a hint
+  to export to ``.ckpt``, which keeps every dtype ``torch.save`` stores.
 """
 
 from __future__ import annotations
@@ -43,20 +47,29 @@ from flatshard.checkpoint.directory import ShardedReader, is_sharded_checkpoint
 from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.files import load_checkpoint_file, write_offline
 from flatshard.checkpoint.mapped import MappedPages
-from flatshard.checkpoint.storage import Remote, locate, locate_checked
+from flatshard.checkpoint.safetensors_format import CODES, encode_header
+from flatshard.checkpoint.storage import Remote, is_url, locate, locate_checked
 from flatshard.engine import ParamShard
 from flatshard.version import __version__
 
 __all__ = [
     "ALIASES_KEY",
+    "DIRECTORY",
     "SUFFIXES",
     "ExportResult",
+    "Progress",
     "export_safetensors",
+    "is_directory_output",
     "load_safetensors",
+    "open_state",
     "output_format",
+    "read_tensors",
+    "select_entries",
+    "with_ema",
 ]
 
 SUFFIXES = (".ckpt", ".safetensors")  # what ``flatshard consolidate`` writes, chosen by OUT's suffix
+DIRECTORY = "/"  # ... or, for an OUT ending in "/", a Hugging Face model directory
 ALIASES_KEY = "flatshard.aliases"  # metadata entry: JSON {tied name: the name its tensor is stored under}
 EMA_KEY_PREFIX = "ShardedEMA"  # callback state keys holding EMA weights start with this
 EMA_ENTRY = "ema_state_dict"  # ... and hold them under this entry
@@ -64,26 +77,6 @@ PROGRESS_MIN_BYTES = 256 * 2**20  # smaller exports finish too fast for a progre
 _BATCH_BYTES = 256 * 2**20  # a sharded directory is read in batches of about this size
 _CHUNK_BYTES = 16 * 2**20  # largest single write (and progress step)
 _PIP_HINT = "pip install safetensors"
-
-# torch dtype -> safetensors dtype name (the names of the safetensors specification)
-_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.complex64: "C64",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint64: "U64",
-    torch.uint32: "U32",
-    torch.uint16: "U16",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 
 
 @dataclass(frozen=True)
@@ -150,16 +143,32 @@ class _Entry:
 
 
 def output_format(out: str | os.PathLike[str] | Remote) -> str:
-    """The suffix of ``out`` that picks the format ``flatshard consolidate`` writes; raises for others."""
+    """What ``flatshard consolidate`` writes at ``out``: ``".ckpt"`` or ``".safetensors"`` (its suffix), or
+    ``DIRECTORY`` (``"/"``) for a Hugging Face model directory: ``out`` ends in ``/`` or is an existing local
+    directory whose name has neither suffix. Raises for anything else."""
     name = out.url if isinstance(out, Remote) else os.fspath(out)
+    if is_directory_output(out):
+        return DIRECTORY
     suffix = os.path.splitext(name)[1].lower()
     if suffix not in SUFFIXES:
         raise CheckpointError(
             f"Cannot write {name}: unknown output format {suffix or '(no suffix)'!r}. HINT: end the name with one "
             "of the supported suffixes: .ckpt (the full Lightning checkpoint), .safetensors (the model weights "
-            "only, for inference tools)."
+            "only, for inference tools), or with '/' for a Hugging Face model directory (model.safetensors or "
+            "model-0000k-of-0000n.safetensors and their index)."
         )
     return suffix
+
+
+def is_directory_output(out: str | os.PathLike[str] | Remote) -> bool:
+    """Whether ``out`` names a Hugging Face model directory for ``flatshard consolidate``: it ends in ``/``, or is
+    an existing local directory whose name has no suffix of :data:`SUFFIXES` (that one is refused as before)."""
+    if isinstance(out, Remote):
+        return False  # its URL has lost any trailing "/"
+    name = os.fspath(out)
+    if name.endswith(("/", os.sep)):
+        return True
+    return os.path.splitext(name)[1].lower() not in SUFFIXES and not is_url(name) and os.path.isdir(name)
 
 
 def export_safetensors(
@@ -196,23 +205,28 @@ def export_safetensors(
             "export_safetensors needs a little-endian machine (safetensors data is little-endian)."
         )
     target = locate_checked(out)  # an unreachable destination fails before anything is read
-    state = _open(src)
+    state = open_state(src)
     if ema:
-        state = _with_ema(state, ema if isinstance(ema, str) else None)
-    entries, aliases = _select(state, prefix)
+        state = with_ema(state, ema if isinstance(ema, str) else None)
+    entries, aliases = select_entries(state, prefix)
+    if aliases:
+        state.notes.append(
+            f"{len(aliases)} tied names stored once (recorded in the metadata entry {ALIASES_KEY!r}; "
+            f"flatshard.checkpoint.load_safetensors restores them): {_some(f'{a} -> {s}' for a, s in aliases.items())}"
+        )
     metadata = {
         "format": "pt",  # what Hugging Face's loaders expect of a PyTorch file
         ALIASES_KEY: json.dumps(aliases),
         "flatshard.weights": "ema" if ema else "model",
         "flatshard.version": __version__,
     }
-    header = _header(entries, metadata)
+    header = encode_header([(e.name, e.dtype, e.shape, e.nbytes) for e in entries], metadata)
     total = sum(e.nbytes for e in entries)
 
     def write(f: IO[bytes]) -> None:
         f.write(header)
-        with _Progress(total, progress and total >= PROGRESS_MIN_BYTES, os.path.basename(str(out))) as bar:
-            for entry, tensor in _tensors(entries, state.reader):
+        with Progress(total, progress and total >= PROGRESS_MIN_BYTES, os.path.basename(str(out))) as bar:
+            for entry, tensor in read_tensors(entries, state.reader):
                 _write_tensor(f, entry, tensor, bar)
                 if state.pages is not None:  # the pages just read from a mapped file go back
                     state.pages.release(tensor)
@@ -265,7 +279,8 @@ def load_safetensors(path: str | os.PathLike[str] | Remote, device: str = "cpu")
 
 
 # ---------------------------------------------------------------------------------------------- sources
-def _open(src: str | os.PathLike[str] | Remote) -> _State:
+def open_state(src: str | os.PathLike[str] | Remote) -> _State:
+    """A checkpoint's model state (a full file or a sharded directory), nothing large read yet."""
     location = locate(src)
     if is_sharded_checkpoint(location) or (isinstance(location, Path) and location.is_dir()):
         return _sharded_state(ShardedReader(location))
@@ -348,7 +363,7 @@ def _groups(keys: Sequence[str], ties: Iterable[tuple[str, str]]) -> dict[str, s
     return {k: find(k) for k in keys}
 
 
-def _with_ema(state: _State, key: str | None) -> _State:
+def with_ema(state: _State, key: str | None) -> _State:
     """``state`` with the EMA weights in place of the trained ones (see [Note: safetensors export])."""
     callbacks = state.extra.get("callbacks")
     found = {
@@ -416,7 +431,7 @@ def _with_ema(state: _State, key: str | None) -> _State:
     return _State(state.path, values, ties, state.extra, state.reader, notes, state.pages)
 
 
-def _select(state: _State, prefix: str) -> tuple[list[_Entry], dict[str, str]]:
+def select_entries(state: _State, prefix: str) -> tuple[list[_Entry], dict[str, str]]:
     """The entries to write (the prefix applied, each tied tensor once) and ``{tied name: stored name}``."""
     keys = [k for k in state.values if k.startswith(prefix)]
     if not keys:
@@ -448,11 +463,6 @@ def _select(state: _State, prefix: str) -> tuple[list[_Entry], dict[str, str]]:
             )
             continue
         entries.append(_entry(state.path, names[key], value))
-    if aliases:
-        state.notes.append(
-            f"{len(aliases)} tied names stored once (recorded in the metadata entry {ALIASES_KEY!r}; "
-            f"flatshard.checkpoint.load_safetensors restores them): {_some(f'{a} -> {s}' for a, s in aliases.items())}"
-        )
     return entries, aliases
 
 
@@ -462,10 +472,12 @@ def _entry(path: str, name: str, value: torch.Tensor | _Stored) -> _Entry:
             f"Checkpoint {path}: {name!r} is a {value.layout} tensor; safetensors stores dense tensors only. HINT: "
             "export to .ckpt instead, or make it dense in the model."
         )
-    if value.dtype not in _DTYPES:
+    if value.dtype not in CODES:
         raise CheckpointError(
             f"Checkpoint {path}: {name!r} has dtype {value.dtype}, which safetensors cannot store. HINT: export to "
-            ".ckpt instead, or use one of " + ", ".join(str(d).replace("torch.", "") for d in _DTYPES) + "."
+            ".ckpt instead (flatshard consolidate SRC OUT.ckpt keeps every dtype), or hold it in one of "
+            + ", ".join(str(d).replace("torch.", "") for d in CODES)
+            + "."
         )
     return _Entry(name, value, value.dtype, torch.Size(value.shape))
 
@@ -481,24 +493,7 @@ def _some(items: Any, n: int = 5) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- writing
-def _header(entries: Sequence[_Entry], metadata: dict[str, str]) -> bytes:
-    """The length prefix and the JSON header, padded with spaces to a multiple of 8 bytes (as safetensors
-    pads it, so that the data starts aligned)."""
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for e in entries:
-        header[e.name] = {
-            "dtype": _DTYPES[e.dtype],
-            "shape": list(e.shape),
-            "data_offsets": [offset, offset + e.nbytes],
-        }
-        offset += e.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
-
-
-def _tensors(
+def read_tensors(
     entries: Sequence[_Entry], reader: ShardedReader | None
 ) -> Iterator[tuple[_Entry, torch.Tensor]]:
     """Each entry with its tensor, in order; stored tensors read in batches of about ``_BATCH_BYTES``."""
@@ -528,7 +523,7 @@ def _read(reader: ShardedReader, stored: Sequence[_Stored]) -> list[torch.Tensor
     return [t.local.view(t.shape) if isinstance(t, ParamShard) else t for t in targets.values()]
 
 
-def _write_tensor(f: IO[bytes], entry: _Entry, tensor: torch.Tensor, bar: _Progress) -> None:
+def _write_tensor(f: IO[bytes], entry: _Entry, tensor: torch.Tensor, bar: Progress) -> None:
     if tensor.dtype != entry.dtype or tensor.shape != entry.shape:  # a damaged directory
         raise CheckpointError(
             f"{entry.name!r} was read as {tensor.dtype} {tuple(tensor.shape)}, expected "
@@ -541,7 +536,7 @@ def _write_tensor(f: IO[bytes], entry: _Entry, tensor: torch.Tensor, bar: _Progr
         bar.update(chunk.numel())
 
 
-class _Progress:
+class Progress:
     """A byte-count progress bar on stderr (tqdm, which Lightning depends on), or nothing when disabled."""
 
     def __init__(self, total: int, enabled: bool, label: str) -> None:
@@ -563,7 +558,7 @@ class _Progress:
         if self.bar is not None:
             self.bar.update(n)
 
-    def __enter__(self) -> _Progress:
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -437,10 +437,12 @@ class ShardOptions:
             Trainer. Refused under NO_SHARD (nothing is gathered). Default: ``False``.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding. Default: ``False``.
         param_init_fn: for a module built on the meta device: called with each module that holds meta
-            parameters, after their storage is allocated on ``device``; it must initialize them in place.
-            Default: ``None`` (the module's own ``reset_parameters()``). Modules are materialized one unit
-            at a time, right before the unit is sharded (see [Note: materializing unit by unit]), so the
-            whole model never exists unsharded.
+            parameters or buffers, after their storage is allocated on ``device``; it must initialize them in
+            place. Default: ``None`` (inside a Hugging Face model its ``_init_weights`` for the buffers, the
+            parameters left for ``load_pretrained``; else the module's own ``reset_parameters()``). Modules are
+            materialized one unit at a time, right before the unit is sharded (see [Note: materializing unit
+            by unit]), so the whole model never exists unsharded; a tensor nothing fills is refused at the
+            first forward (see [Note: unfilled tensors]).
         process_group: the ranks to shard over. Default: all ranks (``None``: the default group). For hybrid
             strategies: a ``(shard_group, replicate_group)`` tuple or a 2-D ``DeviceMesh`` (replicate, shard).
         shard_group_size: hybrid strategies: ranks per shard group (consecutive ranks; must divide the world

@@ -3,6 +3,8 @@
 
 - ``state_dict``: :func:`get_state_dict` / :func:`set_state_dict`, the user-facing pair.
 - ``full_model``: the full model state dict (gather to rank 0, validate, load slice by slice).
+- ``full_entries``: what a full model state dict will hold (names, dtypes, shapes, ties, arrival order), before
+  anything is gathered: for writers that lay out files ahead of the data.
 - ``full_optim``: the full optimizer state in the plain optimizer's format, both ways.
 - ``optim_binding``: pointing optimizers at sharded parameters (by name), shapes for ``configure_optimizers``.
 - ``sharded``: each rank's pieces (:class:`ParamShard`) for sharded checkpoints, and loading them back.
