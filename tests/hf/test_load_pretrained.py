@@ -78,6 +78,12 @@ def _sharded_cases(rank: int, world: int, root: str) -> dict[str, Any]:
         out[name]["missing"] = result.missing
         if tie:
             out[name]["tied"] = model.lm_head.weight is model.model.embed_tokens.weight
+    # Rank 0 holds the model (from_pretrained), the others build it on the meta device: sync_module_states
+    # broadcasts rank 0's values, and what is unfilled is rank 0's (nothing).
+    model = reference(base / "multi") if rank == 0 else meta_model()
+    flatshard.shard(model, auto_wrap_policy={BLOCK}, sync_module_states=True)
+    out["sync_module_states"] = _compare(model, base / "multi")
+    out["sync_module_states"].update(bytes_read=0, missing=[])
     # A unit holding two dtypes: the norms in fp32, the rest in bf16 (two flat parameters per unit).
     model = meta_model(False, torch.bfloat16)
     for m in model.modules():
@@ -243,3 +249,32 @@ def _failing_read(rank: int, world: int, root: str) -> dict[str, Any]:
 def test_read_failing_on_one_rank_fails_every_rank(checkpoints: Path) -> None:
     for r in spawn(_failing_read, 2, str(checkpoints)):
         assert "Input/output error" in r["message"] and r["refused"], r
+
+
+def _hybrid_and_offload(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Four ranks as two replicas of a 2-rank shard group, and CPU offload: each rank reads its shard's pieces
+    (the replicas read the same ones)."""
+    path = Path(root) / "multi"
+    out: dict[str, Any] = {}
+    for name, options in (
+        ("hybrid", {"sharding_strategy": "HYBRID_SHARD", "shard_group_size": 2}),
+        ("offload", {"cpu_offload": True}),
+    ):
+        model = meta_model()
+        flatshard.shard(model, auto_wrap_policy={BLOCK}, **options)
+        result = flatshard.load_pretrained(model, path)
+        out[name] = _compare(model, path)
+        out[name]["bytes_read"] = result.bytes_read
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_hybrid_sharding_and_offload_read_their_shards(checkpoints: Path) -> None:
+    results = spawn(_hybrid_and_offload, 4, str(checkpoints))
+    total = _data_bytes(checkpoints / "multi")
+    for r in results:
+        for case, v in r.items():
+            assert v["state_equal"] and v["buffers_equal"] and v["logits"] < 1e-5, (case, v)
+    hybrid = [r["hybrid"]["bytes_read"] for r in results]
+    assert hybrid[0] + hybrid[1] == total and hybrid[0:2] == hybrid[2:4], hybrid
+    assert sum(r["offload"]["bytes_read"] for r in results) == total
