@@ -485,5 +485,8 @@ def test_stock_muon_within_bfloat16_rounding() -> None:
     finally:
         use_float32_newton_schulz()
     for key, value in expected.items():
-        tol = {"rtol": 1e-3, "atol": 5e-4} if value.ndim == 2 else {"rtol": 1e-5, "atol": 1e-6}
+        # bfloat16 Newton-Schulz turns fp32 differences in the last bits of a gradient (reduction order) into
+        # differences of a few percent of each step's update (lr 0.02: ~0.06 over the run); the biases follow
+        # through the forward. Still ten times below one update: a missed or doubled step fails.
+        tol = {"rtol": 1e-2, "atol": 5e-3} if value.ndim == 2 else {"rtol": 1e-4, "atol": 5e-5}
         torch.testing.assert_close(ranks[0]["state"][key], value, **tol, msg=key)
