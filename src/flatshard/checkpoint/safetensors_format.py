@@ -99,7 +99,9 @@ def _torch_shape(code: str, shape: list[int]) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def parse_header(raw: bytes, file_size: int | None, where: str) -> tuple[dict[str, HeaderEntry], dict[str, str]]:
+def parse_header(
+    raw: bytes, file_size: int | None, where: str
+) -> tuple[dict[str, HeaderEntry], dict[str, str]]:
     """The entries and the ``__metadata__`` of a file whose first bytes are ``raw`` (the 8-byte length and at
     least the JSON header); ``file_size`` (when known) is checked against the last tensor's end.
 
@@ -113,7 +115,9 @@ def parse_header(raw: bytes, file_size: int | None, where: str) -> tuple[dict[st
     if length > HEADER_LIMIT:
         raise ValueError(f"{where}: a header length of {length} bytes is not a safetensors file's")
     if len(raw) < 8 + length:
-        raise ValueError(f"{where}: the header needs {length} bytes, only {len(raw) - 8} are there (truncated)")
+        raise ValueError(
+            f"{where}: the header needs {length} bytes, only {len(raw) - 8} are there (truncated)"
+        )
     try:
         header = json.loads(raw[8 : 8 + length])
     except ValueError as err:

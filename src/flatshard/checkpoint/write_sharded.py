@@ -3,14 +3,24 @@ data objects under the save's id with the metadata last (see [Note: sharded chec
 
 Every step that may fail on one rank is followed by an agreement through the store, so a failure anywhere stops
 every rank within seconds and removes what the save wrote (see [Note: save outcomes through the store]).
+
+[Note: dtypes of a sharded checkpoint]
+DCP writes each tensor with ``torch.save`` but plans it through its own code, which takes the bits dtypes apart
+(their element size) and writes quantized tensors it cannot read back. Before anything is written, every tensor
+the save holds is checked: its dtype must come back bit for bit from a probe (a small tensor of that dtype saved
+and loaded by DCP in this process, once per dtype), and the entries of ``meta.pt`` must pass the ``torch.save``
+probe of [Note: every dtype torch.save writes]. Otherwise the save fails on every rank, naming the entry, its
+dtype and a hint (a full checkpoint keeps every dtype ``torch.save`` stores).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import shutil
+import tempfile
 import warnings
 from collections.abc import Generator, Mapping
 from pathlib import Path
@@ -27,13 +37,22 @@ from flatshard.checkpoint.files import fsync_dir, recording
 from flatshard.checkpoint.remote_dcp import RemoteWriter, remove_save_objects, remove_stale_objects
 from flatshard.checkpoint.save_round import SaveRound
 from flatshard.checkpoint.storage import Remote, locate_checked
-from flatshard.engine import global_rank
+from flatshard.checkpoint.stream_file import (
+    dtype_sample,
+    refuse,
+    tensor_bits,
+    unreadable_dtype,
+    unreadable_tensors,
+)
+from flatshard.engine import ParamShard, global_rank
 
 __all__ = [
+    "dcp_unreadable_dtype",
     "discard_on_failure",
     "local_writer",
     "prepare_remote",
     "prepare_temporary",
+    "refuse_unstorable",
     "replace_directory",
     "write_lightning_meta",
     "write_sharded_checkpoint",
@@ -53,6 +72,7 @@ def write_sharded_checkpoint(
     location = locate_checked(path)  # a URL's storage answers on every rank before anything is written
     with SaveRound("The sharded save", location) as round_:
         flat = flatten_checkpoint(checkpoint, names)
+        refuse_unstorable(flat)  # before anything is written: see [Note: dtypes of a sharded checkpoint]
         if isinstance(location, Remote):
             writer = RemoteWriter(location, round_.id, flat.extra)
             prepare_remote(location, round_)
@@ -72,6 +92,51 @@ def write_sharded_checkpoint(
             round_.committed()
         round_.agree("committed")
     return location
+
+
+def refuse_unstorable(flat: Flattened) -> None:
+    """Raise a ``CheckpointError`` naming the entries of ``flat`` that would not read back (see [Note: dtypes of
+    a sharded checkpoint])."""
+    tensors = {
+        fqn: value.local if isinstance(value, ParamShard) else value
+        for fqn, value in flat.entries.items()
+        if isinstance(value, (ParamShard, torch.Tensor))
+    }
+    refuse(unreadable_tensors(tensors, dcp_unreadable_dtype), "a sharded checkpoint")
+    if flat.extra is not None:
+        refuse(unreadable_tensors(flat.extra), f"a sharded checkpoint's {LIGHTNING_META}")
+
+
+class _ProbeWriter(dcp.FileSystemWriter):
+    """DCP's local writer for the probe, its ``write_data`` as torch defines it: code that wraps
+    ``FileSystemWriter.write_data`` later (to slow or fail a save) wraps the save, not the probe."""
+
+    write_data = dcp.FileSystemWriter.write_data
+
+
+@functools.cache
+def dcp_unreadable_dtype(dtype: torch.dtype) -> str | None:
+    """Why DCP would not give back a tensor of ``dtype`` bit for bit (ending in a hint), ``None`` where it does:
+    a sample saved and loaded in this process (no collective), once per dtype."""
+    problem = unreadable_dtype(dtype)
+    if problem is not None:  # torch.save itself cannot: the hint for that
+        return problem
+    sample = dtype_sample(dtype)
+    try:
+        with tempfile.TemporaryDirectory(prefix="flatshard-probe-") as folder, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no process group is the intent; quantized dtypes are deprecated
+            dcp.save({"x": sample}, storage_writer=_ProbeWriter(folder), no_dist=True)
+            back = {"x": torch.empty(sample.shape, dtype=dtype)}
+            dcp.load(back, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
+        if tensor_bits(back["x"]) != tensor_bits(sample):
+            raise ValueError("it reads back with other bits")
+    except (Exception, dcp.CheckpointException) as err:  # the latter is a BaseException
+        return (
+            f"torch.distributed.checkpoint cannot store it ({type(err).__name__}: "
+            f"{str(err).strip().splitlines()[-1][:200]}). HINT: save a full checkpoint (state_dict_type='full'), "
+            "which keeps every dtype torch.save stores, or hold the values in a dtype DCP stores."
+        )
+    return None
 
 
 def write_lightning_meta(extra: Mapping[str, Any], directory: Path) -> None:

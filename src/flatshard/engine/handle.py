@@ -271,7 +271,7 @@ class FlatParamHandle(UnitGradients):
         out = memory.empty_mapped((self.layout.padded_numel,), self.dtype) if transient else None
         full = flatten_tensors([p.detach().to(self.device) for p in params], self.layout, out=out)
         if sync_group is not None:
-            dist.broadcast(full, src=dist.get_global_rank(sync_group, 0), group=sync_group)
+            dist.broadcast(comm.as_wire(full), src=dist.get_global_rank(sync_group, 0), group=sync_group)
         if self.shard_world == 1 and not self.offload:
             return full  # 1-D, padded_numel == total_numel
         if self.offload or self.device.type == "cpu":

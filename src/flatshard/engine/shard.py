@@ -141,6 +141,10 @@ def shard(
             unit_modules = [m for m in module.modules() if m in chosen]
     plans = plan_units(module, unit_modules, ignored, finished, managed)
     names = {p: n for n, p in module.named_parameters(remove_duplicate=True)}
+    if dist.is_initialized() and any(dist.get_world_size(g) > 1 for g in groups):
+        for plan in plans:  # gradients are reduced across ranks: see [Note: dtypes on the wire]
+            for p in plan.params:
+                comm.check_trainable_dtype(names.get(p, "?"), p)
     sync_group = dist.group.WORLD if opts.sync_module_states and dist.is_initialized() else None
     for m in full_precision:
         keep_full_precision(m, next((p.dtype for p in m.parameters()), torch.float32))
@@ -314,7 +318,7 @@ def _move_buffers(
                 buf = buf.to(device)
                 m._buffers[name] = buf
             if sync_group is not None:
-                dist.broadcast(buf, src=dist.get_global_rank(sync_group, 0), group=sync_group)
+                dist.broadcast(comm.as_wire(buf), src=dist.get_global_rank(sync_group, 0), group=sync_group)
 
 
 def _record_unfilled(

@@ -77,8 +77,18 @@ def gather_full_flat(handle: FlatParamHandle) -> torch.Tensor:
     return full
 
 
+_PACKED_QUANTIZED = tuple(getattr(torch, n) for n in ("quint4x2", "quint2x4") if hasattr(torch, n))
+
+
 def copy_out(t: torch.Tensor, to_cpu: bool) -> torch.Tensor:
     t = t.detach()
+    if t.dtype in _PACKED_QUANTIZED and t.qscheme() == torch.per_tensor_affine:
+        # torch has no copy kernel for the packed quantized dtypes (they live on the CPU): copy their bytes
+        copy = torch._empty_affine_quantized(
+            t.shape, scale=t.q_scale(), zero_point=t.q_zero_point(), dtype=t.dtype
+        )
+        copy.untyped_storage().copy_(t.contiguous().untyped_storage())
+        return copy
     return t.to("cpu", copy=True) if to_cpu else t.clone()
 
 

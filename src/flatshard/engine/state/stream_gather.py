@@ -25,6 +25,10 @@ describe what they need as :class:`GatherItem` s (one per unit and per optimizer
   (several hosts, CUDA tensors, no anonymous shared memory, ``FLATSHARD_SHM=0``) uses collectives per chunk:
   ``gather`` to the one keeping rank on gloo, ``all_gather`` otherwise.
 
+A chunk of a dtype that a backend cannot move (float8, uint16-64, complex32, ...) travels as its bytes, and a
+complex one as pairs of floats (gloo's ``gather`` refuses complex tensors): see [Note: dtypes on the wire] in
+:mod:`flatshard.engine.transport.comm`. The shared-memory slots hold bytes, read as any dtype.
+
 The transport is agreed on by all ranks of the group in one object collective when the stream opens,
 so a rank that cannot map a peer's segment makes every rank fall back, never hang. Segments have no name in
 ``/dev/shm``: a rank killed at any moment leaves nothing there (see [Note: segments without names]).
@@ -41,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from flatshard.engine.flat_param import FlatLayout
+from flatshard.engine.transport.comm import as_wire
 from flatshard.engine.transport.memory import Prefaulter, empty_mapped
 from flatshard.engine.transport.shm import Segment, exchange_segments
 
@@ -200,20 +205,25 @@ class FlatStream:
             if self._recv is None or self._recv.dtype != dtype or self._recv.numel() < chunk * self.world:
                 self._recv = torch.empty(chunk * self.world, dtype=dtype, device=self.device)
             recv = self._recv[: n * self.world]
+        parts = [_wire(r) for r in recv.chunk(self.world)] if recv is not None else None
         if gather_to_one:
             group: Any = self.group if self.group is not None else dist.group.WORLD
             dst = dist.get_global_rank(group, self.keepers[0])
-            dist.gather(
-                send, list(recv.chunk(self.world)) if recv is not None else None, dst=dst, group=self.group
-            )
+            dist.gather(_wire(send), parts, dst=dst, group=self.group)
         else:
-            assert recv is not None
-            dist.all_gather(list(recv.chunk(self.world)), send, group=self.group)
+            assert parts is not None
+            dist.all_gather(parts, _wire(send), group=self.group)
         if deliver is not None:
             assert recv is not None
             for r in range(self.world):
                 if r != self.rank:
                     deliver(r * shard_numel + c0, recv[r * n : (r + 1) * n])
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """What the backend moves for ``t`` (1-D, contiguous): its bytes, or a complex one's pairs of floats."""
+    wire = as_wire(t)
+    return torch.view_as_real(wire) if wire.is_complex() else wire
 
 
 def _fill(dst: torch.Tensor, c0: int, pieces: Sequence[Piece]) -> None:

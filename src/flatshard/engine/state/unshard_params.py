@@ -107,7 +107,7 @@ def _broadcast_from_rank0(
         full = full.to(handle.device)
     if handle.shard_world > 1 and handle.shard_group is not None:
         src = dist.get_global_rank(handle.shard_group, 0)
-        dist.broadcast(full, src=src, group=handle.shard_group)
+        dist.broadcast(comm.as_wire(full), src=src, group=handle.shard_group)
     return full
 
 
@@ -118,10 +118,10 @@ def _sync_replicas(handle: FlatParamHandle, shard: torch.Tensor) -> None:
     if handle.replicate_world > 1 and handle.replicate_group is not None:
         src = dist.get_global_rank(handle.replicate_group, 0)
         if shard.device == handle.device:
-            dist.broadcast(shard, src=src, group=handle.replicate_group)
+            dist.broadcast(comm.as_wire(shard), src=src, group=handle.replicate_group)
             return
         staged = shard.to(handle.device)
-        dist.broadcast(staged, src=src, group=handle.replicate_group)
+        dist.broadcast(comm.as_wire(staged), src=src, group=handle.replicate_group)
         shard.copy_(staged)
 
 

@@ -12,6 +12,16 @@ Quirks handled here:
 - newer torch builds rename ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``*_single``.
 - CPU tensors of ranks on one host go through shared memory instead of the backend (see
   [Note: shared-memory collectives] in :mod:`flatshard.engine.transport.shm`).
+- backends move and sum only some dtypes: see [Note: dtypes on the wire].
+
+[Note: dtypes on the wire]
+gloo refuses float8, uint16-64, int16, complex32, the bits dtypes and the float4 pairs ("Invalid scalar type"),
+NCCL a different set, and the shared-memory transport knows a fixed list. :data:`NATIVE_DTYPES` are the dtypes
+every one of them moves and sums as they are. A collective that only moves data (all-gather, broadcast,
+gather) moves a tensor of any other dtype as its bytes: :func:`as_wire` is a ``uint8`` view of them, so the
+received bytes land in the caller's tensor bit for bit. A reduction has no byte form: :func:`reduce_scatter_flat`
+and :func:`all_reduce_flat` refuse such a dtype with a ``TypeError``, and :func:`check_trainable_dtype` refuses
+a trainable parameter whose gradients would need one.
 """
 
 from __future__ import annotations
@@ -31,11 +41,14 @@ from flatshard.engine.transport import memory, shm, watchdog
 from flatshard.engine.transport.pieces import FlatPieces
 
 __all__ = [
+    "NATIVE_DTYPES",
     "CollectiveTiming",
     "InFlight",
     "Pending",
     "all_gather_flat",
     "all_reduce_flat",
+    "as_wire",
+    "check_trainable_dtype",
     "comm_stats",
     "global_rank",
     "reduce_scatter_flat",
@@ -51,6 +64,78 @@ _reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 # Backends that raised "not supported" for reduce_scatter once: never tried again in this process.
 _NO_NATIVE_REDUCE_SCATTER: set[str] = set()
+
+NATIVE_DTYPES: frozenset[torch.dtype] = frozenset(
+    {
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex64,  # moved and summed as pairs of floats (torch.view_as_real) by torch.distributed
+        torch.complex128,
+        torch.int64,
+        torch.int32,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    }
+)
+"""Dtypes that every backend (gloo, NCCL, the shared-memory transport) moves and sums as they are; others move
+as bytes and are never reduced (see [Note: dtypes on the wire])."""
+
+
+def as_wire(t: torch.Tensor) -> torch.Tensor:
+    """What a collective that only moves data sends or receives for ``t`` (see [Note: dtypes on the wire]).
+
+    ``t`` itself for a dtype in :data:`NATIVE_DTYPES`; otherwise a 1-D ``uint8`` view of its bytes (a view:
+    bytes received into it land in ``t``). Raises ``ValueError`` for a tensor that is not contiguous and
+    ``TypeError`` for a quantized or non-strided one.
+    """
+    if t.dtype in NATIVE_DTYPES:
+        return t
+    if t.is_quantized or t.layout != torch.strided:
+        raise TypeError(
+            f"A collective cannot move a {'quantized' if t.is_quantized else str(t.layout)} tensor of dtype "
+            f"{t.dtype} as bytes. HINT: keep such values out of sharded parameters and buffers."
+        )
+    if not t.is_contiguous():
+        raise ValueError(
+            f"A collective moves a {t.dtype} tensor as its bytes, which needs a contiguous tensor; this one has "
+            f"shape {tuple(t.shape)} and strides {t.stride()}. HINT: pass t.contiguous() and copy it back."
+        )
+    return t.reshape(-1).view(torch.uint8)
+
+
+# what gradients can be: summed by every backend, and floating point or complex
+_GRADIENT_DTYPES = frozenset(d for d in NATIVE_DTYPES if d.is_floating_point or d.is_complex)
+
+
+def _refuse_reduce(kind: str, dtype: torch.dtype) -> None:
+    if dtype not in NATIVE_DTYPES:
+        raise TypeError(
+            f"{kind}: cannot sum {dtype} tensors across ranks; the backends sum only "
+            f"{_names(NATIVE_DTYPES)} (see [Note: dtypes on the wire]). HINT: reduce a copy in float32 (or "
+            "another of those dtypes) and cast the result back; a parameter of this dtype must not require grad."
+        )
+
+
+def _names(dtypes: frozenset[torch.dtype]) -> str:
+    return ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+
+
+def check_trainable_dtype(name: str, param: torch.Tensor) -> None:
+    """Raise ``TypeError`` if ``param`` (named ``name``) requires grad but its gradients cannot be reduced
+    across ranks: a dtype outside :data:`NATIVE_DTYPES` or not floating point / complex."""
+    dtype = param.dtype
+    if not param.requires_grad or dtype in _GRADIENT_DTYPES:
+        return
+    raise TypeError(
+        f"Parameter {name!r} requires grad but has dtype {dtype}: its gradients cannot be reduced across ranks "
+        f"(they are summed in {_names(_GRADIENT_DTYPES)}). HINT: freeze it (param.requires_grad_(False)), or "
+        "train a float32 or bfloat16 copy and cast it to this dtype in forward (as float8 recipes keep a "
+        "high-precision weight)."
+    )
+
 
 comm_stats: Counter[str] = Counter()
 """Bytes this process sent into each collective kind (``"all_gather"``, ``"reduce_scatter"``,
@@ -245,13 +330,16 @@ def all_gather_flat(
             f"all_gather_flat: output has {output.numel()} elements, expected "
             f"{shard.numel()} x {_group_size(group)}."
         )
+    if output.dtype != shard.dtype:
+        raise ValueError(f"all_gather_flat: output is {output.dtype}, the shard {shard.dtype}.")
     nbytes = shard.numel() * shard.element_size()
     label = _label("all_gather", shard, shard.numel(), group, where)
-    channel = _shm_for(group, output, shard)
+    wire_out, wire_shard = as_wire(output), as_wire(shard)  # see [Note: dtypes on the wire]
+    channel = _shm_for(group, wire_out, wire_shard)
     if channel is not None:
-        work = channel.all_gather(output, shard, label=label)
+        work = channel.all_gather(wire_out, wire_shard, label=label)
     else:
-        work = _all_gather_base(output, shard, group=group, async_op=True)
+        work = _all_gather_base(wire_out, wire_shard, group=group, async_op=True)
         return _issued("all_gather", nbytes, output, work, async_op, label, group)
     return _issued("all_gather", nbytes, output, work, async_op, label)
 
@@ -273,6 +361,7 @@ def reduce_scatter_flat(
         raise ValueError(
             f"reduce_scatter_flat: input has {full.numel()} elements, expected {output.numel()} x {world}."
         )
+    _refuse_reduce("reduce_scatter_flat", full.dtype)
     nbytes = full.numel() * full.element_size()
     label = _label("reduce_scatter", output, full.numel(), group, where)
     if isinstance(full, FlatPieces):
@@ -327,6 +416,7 @@ def all_reduce_flat(
     where: tuple[str, str, int] | None = None,
 ) -> Pending:
     """Sum ``tensor`` over ``group`` in place."""
+    _refuse_reduce("all_reduce_flat", tensor.dtype)
     nbytes = tensor.numel() * tensor.element_size()
     label = _label("all_reduce", tensor, tensor.numel(), group, where)
     channel = _shm_for(group, tensor)
