@@ -200,15 +200,8 @@ def export_safetensors(
         raise CheckpointError(
             f"export_safetensors writes a .safetensors file, not {out}. HINT: end it in .safetensors."
         )
-    if sys.byteorder != "little":  # pragma: no cover - no big-endian torch platform in use
-        raise CheckpointError(
-            "export_safetensors needs a little-endian machine (safetensors data is little-endian)."
-        )
     target = locate_checked(out)  # an unreachable destination fails before anything is read
-    state = open_state(src)
-    if ema:
-        state = with_ema(state, ema if isinstance(ema, str) else None)
-    entries, aliases = select_entries(state, prefix)
+    state, entries, aliases = open_entries(src, prefix, ema, "export_safetensors")
     if aliases:
         state.notes.append(
             f"{len(aliases)} tied names stored once (recorded in the metadata entry {ALIASES_KEY!r}; "
@@ -429,6 +422,20 @@ def with_ema(state: _State, key: str | None) -> _State:
         )
     ties = {k: leader for k, leader in leaders.items() if leader != k}
     return _State(state.path, values, ties, state.extra, state.reader, notes, state.pages)
+
+
+def open_entries(
+    src: str | os.PathLike[str] | Remote, prefix: str, ema: bool | str, caller: str
+) -> tuple[_State, list[_Entry], dict[str, str]]:
+    """What every safetensors export reads first: the state of ``src`` (its EMA weights with ``ema``, a key or
+    ``True``), the entries to write and ``{tied name: stored name}`` (see :func:`select_entries`)."""
+    if sys.byteorder != "little":  # pragma: no cover - no big-endian torch platform in use
+        raise CheckpointError(f"{caller} needs a little-endian machine (safetensors data is little-endian).")
+    state = open_state(src)
+    if ema:
+        state = with_ema(state, ema if isinstance(ema, str) else None)
+    entries, aliases = select_entries(state, prefix)
+    return state, entries, aliases
 
 
 def select_entries(state: _State, prefix: str) -> tuple[list[_Entry], dict[str, str]]:

@@ -10,7 +10,6 @@ before any tensor is read, and each tensor is written as it is read (a sharded d
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,10 +19,8 @@ from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.export import (
     PROGRESS_MIN_BYTES,
     Progress,
-    open_state,
+    open_entries,
     read_tensors,
-    select_entries,
-    with_ema,
 )
 from flatshard.checkpoint.hf_export import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -91,15 +88,8 @@ def export_pretrained(
     """
     limit = parse_max_shard_size(max_shard_size)
     cast = parse_dtype(dtype)
-    if sys.byteorder != "little":  # pragma: no cover - no big-endian torch platform in use
-        raise CheckpointError(
-            "export_pretrained needs a little-endian machine (safetensors data is little-endian)."
-        )
     target = locate_checked(out_dir)  # an unreachable destination fails before anything is read
-    state = open_state(src)
-    if ema:
-        state = with_ema(state, ema if isinstance(ema, str) else None)
-    entries, aliases = select_entries(state, prefix)
+    state, entries, aliases = open_entries(src, prefix, ema, "export_pretrained")
     if aliases:
         state.notes.append(
             f"{len(aliases)} tied names stored once under the first name (from_pretrained ties the others "

@@ -32,6 +32,7 @@ A read that fails (an I/O or storage error, a file that shrank since it was open
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
@@ -81,10 +82,7 @@ class SourceTensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 class _SafetensorsFile:

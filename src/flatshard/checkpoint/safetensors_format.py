@@ -12,6 +12,7 @@ logical shape, its last dimension twice torch's ``float4_e2m1fn_x2`` one.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -74,10 +75,7 @@ class HeaderEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def element_size(dtype: torch.dtype) -> int:
