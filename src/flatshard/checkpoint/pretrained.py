@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from flatshard.checkpoint.errors import CheckpointError
+from flatshard.checkpoint.hf_conversions import ConvertedGroup, conversions
 from flatshard.checkpoint.hf_source import PretrainedSource, SourceTensor, open_source
 from flatshard.checkpoint.validate import agree_on_error
 from flatshard.engine import (
@@ -77,6 +78,13 @@ class _Target:
     names: list[str] = field(default_factory=list)
     candidates: list[str] = field(default_factory=list)  # checkpoint names, in preference order
     source: SourceTensor | None = None
+    converted: tuple[ConvertedGroup, str] | None = (
+        None  # or built by a converter: the group, the name it gives
+    )
+
+    @property
+    def found(self) -> bool:
+        return self.source is not None or self.converted is not None
 
 
 def load_pretrained(
@@ -133,17 +141,18 @@ def load_pretrained(
         failure: BaseException | None = None
         try:
             _read(src, targets)
+            _read_converted(src, targets)
         except (CheckpointError, OSError, RuntimeError, ValueError) as err:
             failure = err if isinstance(err, CheckpointError) else CheckpointError(f"{src.location}: {err}")
         _settle(targets, failed=_any_failed(failure))
         agree_on_error(failure, "load_pretrained (reading)")
         return PretrainedLoad(
             source=src.location,
-            loaded=[n for t in targets if t.source is not None for n in t.names],
+            loaded=[n for t in targets if t.found for n in t.names],
             missing=missing,
             unexpected=unexpected,
             bytes_read=src.bytes_read,
-            notes=list(src.notes),
+            notes=list(src.notes) + _conversion_notes(targets),
         )
 
 
@@ -183,12 +192,21 @@ def _match(
             f"with {', '.join(tops[:8])}; pass the part before the checkpoint's names as prefix."
         )
     targets = list(by_tensor.values())
+    # names transformers renames or converts (see [Note: transformers' weight conversions])
+    conv = conversions(module, [c for t in targets for c in t.candidates], src.tensors)
     taken: set[str] = set()
     missing: list[str] = []
     for t in targets:
-        t.source = next((src.tensors[c] for c in t.candidates if c in src.tensors), None)
-        taken.update(c for c in t.candidates if c in src.tensors)  # a tied tensor's other stored name too
+        stored = [c for c in t.candidates if c in src.tensors]
+        stored += [conv.renamed[c] for c in t.candidates if c in conv.renamed]
+        t.source = src.tensors[stored[0]] if stored else None
+        taken.update(stored)  # a tied tensor's other stored name too
         if t.source is None:
+            built = next((c for c in t.candidates if c in conv.groups), None)
+            if built is not None:
+                t.converted = (conv.groups[built], built)
+                taken.update(conv.groups[built].sources_names())
+        if not t.found:
             missing.append(t.names[0])
     ignore_missing, ignore_unexpected = _hf_ignore_patterns(module)
     missing = [n for n in missing if not any(p.search(n[len(prefix) :]) for p in ignore_missing)]
@@ -221,6 +239,14 @@ def _check(
 ) -> None:
     wrong = []
     for t in targets:
+        if t.converted is not None:
+            group, name = t.converted
+            if tuple(group.shapes[name]) != tuple(_full_shape(t.value)):
+                wrong.append(
+                    f"{name!r} converted from {', '.join(repr(n) for n in group.sources_names()[:3])} is "
+                    f"{list(group.shapes[name])}, {t.names[0]!r} is {list(_full_shape(t.value))}"
+                )
+            continue
         if t.source is None:
             continue
         shape = _full_shape(t.value)
@@ -308,25 +334,60 @@ class _Piece:
     dest: torch.Tensor  # 1-D, where the elements go (any dtype and device)
 
 
+def _destination(t: _Target) -> tuple[int, torch.Tensor] | None:
+    """Where this rank keeps ``t``'s elements: the first element of the flattened tensor and a 1-D tensor (any
+    dtype and device) for the range it keeps; ``None`` where it keeps none."""
+    handle = handle_of_param(t.value)
+    if handle is None:
+        dest = t.value.detach()
+        if not dest.is_contiguous():
+            raise CheckpointError(
+                f"{t.names[0]!r} is not contiguous; load_pretrained writes contiguous tensors."
+            )
+        return 0, dest.reshape(-1)
+    info = handle.shard_infos[handle.index_of(t.value)]
+    if not info.numel_in_shard:
+        return None
+    return info.offset_in_param, handle.sharded[
+        info.offset_in_shard : info.offset_in_shard + info.numel_in_shard
+    ]
+
+
 def _pieces(targets: list[_Target]) -> list[_Piece]:
     out: list[_Piece] = []
     for t in targets:
         if t.source is None:
             continue
-        handle = handle_of_param(t.value)
-        if handle is None:
-            dest = t.value.detach()
-            if not dest.is_contiguous():
-                raise CheckpointError(
-                    f"{t.names[0]!r} is not contiguous; load_pretrained writes contiguous tensors."
-                )
-            out.append(_Piece(t.source, 0, dest.reshape(-1)))
-            continue
-        info = handle.shard_infos[handle.index_of(t.value)]
-        if info.numel_in_shard:
-            dest = handle.sharded[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
-            out.append(_Piece(t.source, info.offset_in_param, dest))
+        where = _destination(t)
+        if where is not None:
+            out.append(_Piece(t.source, *where))
     return out
+
+
+def _read_converted(src: PretrainedSource, targets: list[_Target]) -> None:
+    """Fill the targets that transformers' converters build (see [Note: transformers' weight conversions]): per
+    group with a target this rank keeps part of, its sources read whole, converted, and the ranges copied."""
+    wanted: dict[int, tuple[ConvertedGroup, list[tuple[str, int, torch.Tensor]]]] = {}
+    for t in targets:
+        if t.converted is None:
+            continue
+        group, name = t.converted
+        where = _destination(t)
+        if where is not None:
+            wanted.setdefault(id(group), (group, []))[1].append((name, *where))
+
+    def whole(tensor: SourceTensor) -> torch.Tensor:
+        out = torch.empty(tensor.numel, dtype=tensor.dtype)
+        src.read([(tensor, 0, out)])
+        return out.view(tensor.shape)
+
+    with torch.no_grad():
+        for group, places in wanted.values():
+            built = group.convert(whole)
+            for name, first, dest in places:
+                flat = built[name].reshape(-1)
+                dest.copy_(flat[first : first + dest.numel()])
+            del built
 
 
 def _read(src: PretrainedSource, targets: list[_Target]) -> None:
@@ -365,7 +426,7 @@ def _settle(targets: list[_Target], failed: bool) -> None:
     """Record the loaded parameters as filled, or (a read failed somewhere) every one of this load as
     unfilled again (see [Note: unfilled tensors])."""
     for t in targets:
-        if t.source is None:
+        if not t.found:
             continue
         handle = handle_of_param(t.value)
         if handle is None:
@@ -375,3 +436,15 @@ def _settle(targets: list[_Target], failed: bool) -> None:
             handle.unfilled.add(i)
         else:
             handle.mark_filled(i)
+
+
+def _conversion_notes(targets: list[_Target]) -> list[str]:
+    groups = {id(t.converted[0]): t.converted[0] for t in targets if t.converted is not None}
+    if not groups:
+        return []
+    names = [g.first for g in groups.values()]
+    return [
+        f"{len(names)} tensors are built by transformers' conversions from several checkpoint tensors "
+        f"({', '.join(names[:3])}{' ...' if len(names) > 3 else ''}): a rank keeping part of one reads its "
+        "sources whole"
+    ]
