@@ -3,7 +3,9 @@ own ``save_pretrained`` (several files): GPT-2 (``Conv1D``, tied head), Qwen2 (b
 positions), GPT-NeoX (its head stored as ``embed_out``: a renaming), Mixtral and Qwen2-MoE (one checkpoint tensor
 per expert, one 3-D parameter in the model: converters, see [Note: transformers' weight conversions]), T5
 (encoder-decoder) and BERT (masked LM). On 2 ranks, sharded by decoder layer from the meta device, every
-parameter and buffer and the logits must equal ``from_pretrained``'s exactly."""
+parameter and buffer and the logits must equal ``from_pretrained``'s exactly. Written back with
+``flatshard.save_pretrained``, each holds the tensors transformers' own ``save_pretrained`` wrote, under the same
+names (the experts one per tensor again), bit for bit."""
 
 from __future__ import annotations
 
@@ -84,6 +86,15 @@ def _blocks(model: Any) -> set[type]:
     return {type(m) for m in model.modules() if type(m).__name__ in wanted}
 
 
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
 def _load(rank: int, world: int, root: str, names: list[str]) -> dict[str, Any]:
     import flatshard
 
@@ -106,6 +117,8 @@ def _load(rank: int, world: int, root: str, names: list[str]) -> dict[str, Any]:
             want = ref.state_dict()
             got = model.state_dict()
             unequal = sorted(k for k in want if k not in got or not torch.equal(got[k], want[k]))
+        exported = Path(root) / "exports" / name
+        flatshard.save_pretrained(model, exported)
         out[name] = {
             "diff": diff,
             "unequal": unequal,
@@ -133,3 +146,7 @@ def test_architectures_load_as_from_pretrained_does(tmp_path: Path) -> None:
             assert r["units"] > 0, (name, "no layer class to shard by")
             assert r["diff"] == 0.0 and r["unequal"] == [], (rank, name, r)
             assert r["converted"] == (name in ("mixtral", "qwen2_moe")), (rank, name, r)
+    for name in configs:
+        written, want = _tensors(tmp_path / "exports" / name), _tensors(tmp_path / name)
+        assert sorted(written) == sorted(want), (name, sorted(set(written) ^ set(want))[:6])
+        assert all(torch.equal(written[k], want[k]) for k in want), name

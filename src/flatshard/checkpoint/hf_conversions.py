@@ -38,7 +38,7 @@ import torch.nn as nn
 from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.hf_source import SourceTensor
 
-__all__ = ["Conversions", "ConvertedGroup", "conversions"]
+__all__ = ["Conversions", "ConvertedGroup", "Reverted", "conversions", "reverted"]
 
 
 @dataclass
@@ -166,3 +166,120 @@ def conversions(
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return re.split(r"\n", text, maxsplit=1)[0][:300] if text else "no message"
+
+
+# ---------------------------------------------------------------------------------------------- writing back
+@dataclass
+class _ReverseGroup:
+    """Model tensors that one reversed transform turns back into the checkpoint's tensors."""
+
+    transform: Any  # a reversed WeightConverter or WeightRenaming of its own
+    first: str  # the name transformers files the group under
+    inputs: list[tuple[str, str]] = field(default_factory=list)  # (model name, source pattern), in order
+    arrived: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def convert(
+        self, tensors: dict[str, torch.Tensor], model: nn.Module, renamings: list[Any]
+    ) -> dict[str, Any]:
+        transform = copy.deepcopy(self.transform)
+        for name, pattern in self.inputs:
+            transform.add_tensor(self.first, name, pattern, tensors[name])
+        with torch.no_grad():
+            out = transform.convert(self.first, model=model, config=getattr(model, "config", None))
+        rename = _mapping_functions_rename()
+        return {
+            rename(name, renamings): value[0] if isinstance(value, list) else value
+            for name, value in out.items()
+        }
+
+
+def _mapping_functions_rename() -> Any:
+    from transformers.core_model_loading import apply_renamings
+
+    return apply_renamings
+
+
+@dataclass
+class Reverted:
+    """The checkpoint layout transformers' own ``save_pretrained`` writes for a model's tensors (see [Note:
+    transformers' weight conversions]): what :func:`reverted` plans, then :meth:`put` turns the model's tensors,
+    as they arrive, into the tensors to write."""
+
+    model: nn.Module
+    renamings: list[Any]
+    groups: dict[str, _ReverseGroup]  # model name -> its group
+    outputs: dict[str, list[tuple[str, torch.dtype, tuple[int, ...]]]]  # group first -> what it writes
+
+    def put(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The tensors to write once ``name`` arrived: none until its group is complete."""
+        group = self.groups[name]
+        if len(group.inputs) == 1:
+            return list(group.convert({name: tensor}, self.model, self.renamings).items())
+        group.arrived[name] = tensor
+        if len(group.arrived) < len(group.inputs):
+            return []
+        arrived, group.arrived = group.arrived, {}
+        return list(group.convert(arrived, self.model, self.renamings).items())
+
+
+def reverted(
+    module: nn.Module, prefix: str, specs: list[tuple[str, torch.dtype, tuple[int, ...]]]
+) -> Reverted | None:
+    """How transformers' ``save_pretrained`` would name and lay out ``specs`` (the model's tensors, names with
+    ``prefix`` taken off), or ``None`` where it writes them as they are: no Hugging Face model at ``prefix``, no
+    conversion mapping, or nothing it changes.
+
+    Raises:
+        CheckpointError: a reversed converter fails on the model's shapes.
+    """
+    transformers = sys.modules.get("transformers")
+    base = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
+    hf_model = None
+    for path, m in module.named_modules():
+        if base is not None and isinstance(m, base):
+            hf_model = m if (path + "." if path else "") == prefix else None
+            break
+    functions = _mapping_functions() if hf_model is not None else None
+    if functions is None or hf_model is None:
+        return None
+    get_mapping, (renaming_cls, converter_cls), _, natural_key = functions
+    try:
+        from transformers.core_model_loading import PrefixChange, apply_converters, apply_renamings
+
+        mapping = [m for m in get_mapping(hf_model, add_legacy=False) if not isinstance(m, PrefixChange)]
+    except Exception:  # a model transformers does not describe: names as they are
+        return None
+    reverse = [m.reverse_transform() for m in mapping[::-1]]  # as transformers' revert_weight_conversion
+    renamings = [m for m in reverse if isinstance(m, renaming_cls)]
+    converters = [m for m in reverse if isinstance(m, converter_cls)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    groups: dict[str, _ReverseGroup] = {}
+    firsts: dict[str, _ReverseGroup] = {}
+    changed = False
+    for name, _, _ in sorted(specs, key=lambda s: natural_key(s[0])):
+        target, pattern = apply_converters(name, converters)
+        if pattern is None:
+            target = apply_renamings(name, renamings)
+            group = firsts.setdefault(target, _ReverseGroup(renaming_cls(name, target), target))
+            changed = changed or target != name
+            pattern = name
+        else:
+            group = firsts.setdefault(target, _ReverseGroup(copy.deepcopy(by_pattern[pattern]), target))
+            changed = True
+        group.inputs.append((name, pattern))
+        groups[name] = group
+    if not changed:
+        return None
+    dtypes = {name: (dtype, shape) for name, dtype, shape in specs}
+    outputs: dict[str, list[tuple[str, torch.dtype, tuple[int, ...]]]] = {}
+    for group in firsts.values():
+        metas = {n: torch.empty(dtypes[n][1], dtype=dtypes[n][0], device="meta") for n, _ in group.inputs}
+        try:
+            out = group.convert(metas, hf_model, renamings)
+        except Exception as err:
+            raise CheckpointError(
+                f"transformers' reversed conversion of {group.first!r} (from "
+                f"{', '.join(n for n, _ in group.inputs[:3])}) failed ({type(err).__name__}: {_first_line(err)})."
+            ) from err
+        outputs[group.first] = [(n, v.dtype, tuple(v.shape)) for n, v in out.items()]
+    return Reverted(hf_model, renamings, groups, outputs)

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from flatshard.checkpoint.errors import CheckpointError
+from flatshard.checkpoint.hf_conversions import Reverted, reverted
 from flatshard.checkpoint.hf_export import (
     DEFAULT_MAX_SHARD_SIZE,
     PretrainedWriter,
@@ -87,6 +88,11 @@ def save_pretrained(
             states = FullStates([(module, None)], keep=keep)  # refuses a module that cannot be saved now
     entries = full_entries(module)
     names, specs, arrival = _select(entries, prefix, cast, type(module).__name__)
+    reverse = reverted(module, prefix, [(s.name, s.dtype, s.shape) for s in specs])
+    if (
+        reverse is not None
+    ):  # the names and layout transformers writes: see [Note: transformers' weight conversions]
+        specs, arrival = _reverted_specs(reverse, specs, arrival)
     plan = plan_shards(specs, limit, arrival)
     parameters = sum(e.shape.numel() for e in entries if e.key in names and e.parameter)
     opened: list[PretrainedWriter] = []
@@ -104,7 +110,7 @@ def save_pretrained(
         writer = opened[0] if opened else None
         if writer is not None:
             round_.on_failure(writer.abort)
-        _stream(module, states, writer, names, cast)
+        _stream(module, states, writer, names, cast, reverse)
         if writer is not None:
             writer.finish()
             round_.committed()
@@ -160,6 +166,7 @@ def _stream(
     writer: PretrainedWriter | None,
     names: dict[str, str],
     cast: torch.dtype | None,
+    reverse: Reverted | None = None,
 ) -> None:
     """Gather unit by unit on every rank; rank 0 (given ``writer``) writes. A write that fails stops the writing,
     not the gathering: the peers are in those collectives, so rank 0 raises only once they are all done."""
@@ -171,7 +178,11 @@ def _stream(
         try:
             if cast is not None and tensor.is_floating_point():
                 tensor = tensor.to(cast)
-            writer.write(names[key], tensor)
+            if reverse is None:
+                writer.write(names[key], tensor)
+                return
+            for name, value in reverse.put(names[key], tensor):
+                writer.write(name, value.contiguous())
         except Exception as err:
             failure.append(err)
 
@@ -191,3 +202,22 @@ def _stream(
             put(key, value)
     if failure:
         raise failure[0]
+
+
+def _reverted_specs(
+    reverse: Reverted, specs: list[TensorSpec], arrival: dict[str, int]
+) -> tuple[list[TensorSpec], dict[str, int]]:
+    """The tensors written after transformers' reversed conversions, each arriving with its group's last input."""
+    out: list[TensorSpec] = []
+    order: dict[str, int] = {}
+    done: set[str] = set()
+    for spec in specs:
+        group = reverse.groups[spec.name]
+        if group.first in done:
+            continue
+        done.add(group.first)
+        last = max(arrival[name] for name, _ in group.inputs)
+        for name, dtype, shape in reverse.outputs[group.first]:
+            out.append(TensorSpec(name, dtype, shape))
+            order[name] = last
+    return out, order
