@@ -177,10 +177,14 @@ class FlatParamHandle(UnitGradients):
         self.state = HandleState.SHARDED
 
         # Parameters nothing gave values: see [Note: unfilled tensors]
-        self.unfilled: set[int] = {i for i, p in enumerate(params) if p.is_meta or id(p) in unfilled}
+        # A meta device is a dry run (see [Note: sharding on the meta device]): nothing is ever filled or refused.
+        dry_run = device.type == "meta"
+        self.unfilled: set[int] = (
+            set() if dry_run else {i for i, p in enumerate(params) if p.is_meta or id(p) in unfilled}
+        )
         self.offload = offload
         self.shard_device = torch.device("cpu") if offload else device
-        if any(p.is_meta for p in params):
+        if not dry_run and any(p.is_meta for p in params):
             if sync_group is not None:
                 raise ValueError(
                     "sync_module_states needs every parameter materialized before it is sharded."
