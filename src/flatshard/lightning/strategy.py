@@ -54,7 +54,7 @@ from flatshard.lightning.launcher import SpawnLauncher
 from flatshard.lightning.options import TrainerOptionArguments, takes_options
 from flatshard.lightning.precision import FlatShardPrecision, to_flatshard_precision
 from flatshard.lightning.step_modes import StepModes
-from flatshard.lightning.streamed_saves import hook_reading_state, inside_trainer_save, report_not_streamed
+from flatshard.lightning.streamed_saves import TrainerSaves, hook_reading_state
 from flatshard.lightning.summary import count_full_parameters
 from flatshard.strategy_names import register_names
 
@@ -102,6 +102,7 @@ class FlatShardStrategy(ShellMembers, ParallelStrategy):
         )
         self.num_nodes = 1
         self._step_modes = StepModes()
+        self._trainer_saves = TrainerSaves()  # see [Note: streamed Trainer saves]
 
     # ------------------------------------------------------------------ properties
     @property
@@ -155,6 +156,7 @@ class FlatShardStrategy(ShellMembers, ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        self._trainer_saves.watch(trainer)  # see [Note: streamed Trainer saves]
         assert self.model is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
@@ -390,7 +392,7 @@ class FlatShardStrategy(ShellMembers, ParallelStrategy):
 
     def _streams_this_save(self) -> bool:
         """Whether the full state asked for now goes into a checkpoint that ``save_checkpoint`` streams."""
-        if self._core.async_saver is not None or not inside_trainer_save():
+        if self._core.async_saver is not None or not self._trainer_saves.active:
             return False
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
@@ -398,7 +400,7 @@ class FlatShardStrategy(ShellMembers, ParallelStrategy):
             return False
         hook = hook_reading_state(trainer)
         if hook is not None:
-            report_not_streamed(hook)
+            self._trainer_saves.report_not_streamed(hook)
             return False
         return True
 

@@ -14,45 +14,80 @@ the hooks: a ``on_save_checkpoint`` of the LightningModule, of a callback or of 
 is overridden, that save builds the whole dict as before, and the log says once which hook kept it from
 streaming. A hook that leaves ``state_dict`` and ``optimizer_states`` alone (it adds entries, or reads others)
 says so with a class attribute ``flatshard_stream_safe = True`` (flatshard's own callback and plugin do); it
-then sees placeholders under those two keys. Any caller of ``lightning_module_state_dict`` other than
-``Trainer.save_checkpoint`` (found on the call stack) gets the whole dict, and an asynchronous save (which
-writes after the call returns) always does.
+then sees placeholders under those two keys. Any other caller of ``lightning_module_state_dict`` gets the whole
+dict, and an asynchronous save (which writes after the call returns) always does.
+
+How the strategy knows it is inside ``Trainer.save_checkpoint``: in ``setup`` it wraps that method on its own
+Trainer instance (an instance attribute, :class:`TrainerSaves`), once; the wrapper counts the calls in progress.
+Every route to a Trainer save goes through the instance attribute (``ModelCheckpoint``, the user's own
+``trainer.save_checkpoint``), nothing is patched on the class, and the count lives on the strategy.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import sys
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.plugins.precision import Precision
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["hook_reading_state", "inside_trainer_save", "report_not_streamed"]
+__all__ = ["TrainerSaves", "hook_reading_state"]
 
 log = logging.getLogger(__name__)
 
-_SAVE_CODE = getattr(Trainer.save_checkpoint, "__code__", None)
-_MAX_DEPTH = 8  # Trainer.save_checkpoint -> dump_checkpoint -> _get_lightning_module_state_dict -> here
-_reported: set[str] = set()
+
+class TrainerSaves:
+    """Whether the strategy is being asked for state from inside its Trainer's ``save_checkpoint``.
+
+    ``watch(trainer)`` wraps the Trainer instance's ``save_checkpoint`` (once, however often ``setup`` runs);
+    ``active`` is true while such a call is in progress. Also says once per hook why a save was not streamed.
+    """
+
+    def __init__(self) -> None:
+        self.calls_in_progress = 0
+        self._reported: set[str] = set()  # hooks already named in the log
+
+    @property
+    def active(self) -> bool:
+        return self.calls_in_progress > 0
+
+    def watch(self, trainer: pl.Trainer) -> None:
+        current = trainer.__dict__.get("save_checkpoint")
+        if isinstance(current, _WatchedSave) and current.saves is self:
+            return
+        trainer.save_checkpoint = _WatchedSave(trainer.save_checkpoint, self)  # type: ignore[method-assign]
+
+    def report_not_streamed(self, hook: str) -> None:
+        """Say once per hook why a full save was not streamed."""
+        if hook in self._reported:
+            return
+        self._reported.add(hook)
+        log.info(
+            "flatshard: this full checkpoint is gathered whole before it is written, not streamed, because %s "
+            "may read or change checkpoint['state_dict'] or ['optimizer_states']. If it leaves them alone, set "
+            "the class attribute flatshard_stream_safe = True on it (see docs/checkpoints.md).",
+            hook,
+        )
 
 
-def inside_trainer_save() -> bool:
-    """Whether ``Trainer.save_checkpoint`` is a few frames up the stack (it is building a checkpoint to save)."""
-    if _SAVE_CODE is None:
-        return False
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(_MAX_DEPTH):
-        if frame is None:
-            return False
-        if frame.f_code is _SAVE_CODE:
-            return True
-        frame = frame.f_back
-    return False
+class _WatchedSave:
+    """A Trainer's own ``save_checkpoint``, counting its calls in progress (a class, so a Trainer still pickles)."""
+
+    def __init__(self, save: Any, saves: TrainerSaves) -> None:
+        functools.update_wrapper(self, save)
+        self.save = save
+        self.saves = saves
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.saves.calls_in_progress += 1
+        try:
+            return self.save(*args, **kwargs)
+        finally:
+            self.saves.calls_in_progress -= 1
 
 
 def _overrides(obj: Any, base: type) -> bool:
@@ -74,16 +109,3 @@ def hook_reading_state(trainer: pl.Trainer) -> str | None:
         if obj is not None and _overrides(obj, base) and not _safe(obj):
             return f"{type(obj).__qualname__}.on_save_checkpoint"
     return None
-
-
-def report_not_streamed(hook: str) -> None:
-    """Say once per hook why a full save was not streamed."""
-    if hook in _reported:
-        return
-    _reported.add(hook)
-    log.info(
-        "flatshard: this full checkpoint is gathered whole before it is written, not streamed, because %s may "
-        "read or change checkpoint['state_dict'] or ['optimizer_states']. If it leaves them alone, set the class "
-        "attribute flatshard_stream_safe = True on it (see docs/checkpoints.md).",
-        hook,
-    )
