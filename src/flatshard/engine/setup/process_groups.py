@@ -28,13 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from flatshard.engine.log_once import log_once
+
 if TYPE_CHECKING:
     from flatshard.engine.config import ShardingStrategy  # its values are only read
 
 __all__ = ["hybrid_groups", "resolve_groups"]
 
 log = logging.getLogger(__name__)
-_LOGGED: set[tuple[str, int, int]] = set()  # (strategy, shard ranks, replicas) already reported
 
 # (world size, shard group size) -> (default group, shard groups, replicate groups); entries made under an
 # earlier default group (destroyed and initialized again) are stale and made anew.
@@ -134,12 +135,14 @@ def _local_world_size(strategy: ShardingStrategy) -> int:
 
 def _report_degenerate(strategy: ShardingStrategy, k: int, world: int) -> None:
     """One info line when a hybrid layout has one group on a side (see [Note: hybrid groups])."""
-    if 1 < k < world or world == 1 or (strategy.name, k, world) in _LOGGED:
+    if 1 < k < world or world == 1:
         return
-    _LOGGED.add((strategy.name, k, world))
+    key = ("degenerate hybrid", strategy.name, k, world)
     if k >= world:
         runs_as = "FULL_SHARD" if strategy.reshard_after_forward else "SHARD_GRAD_OP"
-        log.info(
+        log_once(
+            log,
+            key,
             "flatshard: %s with one shard group of all %d ranks: one replica, nothing to replicate across; it "
             "runs as %s.",
             strategy.name,
@@ -147,7 +150,9 @@ def _report_degenerate(strategy: ShardingStrategy, k: int, world: int) -> None:
             runs_as,
         )
     else:
-        log.info(
+        log_once(
+            log,
+            key,
             "flatshard: %s with shard groups of one rank: nothing is sharded; parameters are replicated over "
             "%d ranks as under NO_SHARD.",
             strategy.name,
