@@ -78,9 +78,9 @@ from flatshard.engine.state.sharded import (
 from flatshard.engine.state.stand_ins import saved_piece, stand_in
 from flatshard.engine.state.state_dict import FullStates, get_state_dict, optimizer_list, set_state_dict
 from flatshard.engine.state.unshard_params import unshard_params
+from flatshard.engine.state.whole_state import after_load as finish_optimizer_load
 from flatshard.engine.step.clip import clip_grad_norm_, clip_grad_norm_params_
 from flatshard.engine.step.ema import EMA, check_decay
-from flatshard.engine.step.whole_tensor import after_load as finish_optimizer_load
 from flatshard.engine.step.whole_tensor import (
     explaining_step_errors,
     is_whole_tensor_optimizer,

@@ -11,4 +11,6 @@
 - ``stand_ins``: where saved state reads a parameter (its shard's piece, or the EMA's shadow while swapped in).
 - ``stream_gather``: the chunked gather to rank 0 behind every full state dict.
 - ``unshard_params``: the context manager that shows full parameters (all ranks or rank 0 alone).
+- ``whole_state``: a whole-tensor optimizer's state (whole on each parameter's owner) in pieces for saves, whole
+  again after loads.
 """

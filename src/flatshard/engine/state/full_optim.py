@@ -21,13 +21,13 @@ import torch.nn as nn
 from flatshard.engine.handle import FlatParamHandle, locate_params
 from flatshard.engine.state.full_model import copy_out, prepare_for_state_io
 from flatshard.engine.state.stream_gather import GatherItem, gather_items
-from flatshard.engine.step.whole_tensor import (
+from flatshard.engine.state.whole_state import (
     after_load,
-    is_whole_tensor_optimizer,
     note_loaded_whole,
     states_as_pieces,
     whole_state_keys,
 )
+from flatshard.engine.step.whole_tensor import is_whole_tensor_optimizer
 from flatshard.engine.transport.comm import global_rank
 
 __all__ = [

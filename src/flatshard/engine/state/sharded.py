@@ -26,7 +26,7 @@ from flatshard.engine.precision import original_buffer_dtypes
 from flatshard.engine.state.full_model import parameter_names, prepare_for_state_io
 from flatshard.engine.state.full_optim import optimizer_params
 from flatshard.engine.state.stand_ins import live_piece, saved_piece, saved_value
-from flatshard.engine.step.whole_tensor import note_loaded_whole, states_as_pieces, whole_state_keys
+from flatshard.engine.state.whole_state import note_loaded_whole, states_as_pieces, whole_state_keys
 
 __all__ = [
     "ParamShard",

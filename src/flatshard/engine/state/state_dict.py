@@ -23,7 +23,7 @@ from flatshard.engine.state.sharded import (
     to_local_optim_state,
 )
 from flatshard.engine.state.stream_gather import gather_by_unit, gather_items
-from flatshard.engine.step.whole_tensor import after_load
+from flatshard.engine.state.whole_state import after_load
 from flatshard.engine.transport.comm import global_rank
 
 __all__ = ["FullStates", "get_state_dict", "optimizer_list", "set_state_dict"]

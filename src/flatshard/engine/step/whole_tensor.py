@@ -76,14 +76,19 @@ from flatshard.engine.handle import FlatParamHandle, handle_of_param
 from flatshard.engine.transport import watchdog
 
 __all__ = [
-    "after_load",
+    "Entry",
+    "WholeGroup",
+    "WholeParam",
+    "WholeTensorPlan",
     "explaining_step_errors",
+    "from_owners",
+    "install_hooks",
     "is_whole_tensor_optimizer",
     "last_exchange",
-    "note_loaded_whole",
+    "plan_of",
     "register_whole_tensor_optimizer",
-    "states_as_pieces",
-    "whole_state_keys",
+    "restore_pieces",
+    "to_owners",
     "whole_tensor_classes",
 ]
 
@@ -124,7 +129,7 @@ def is_whole_tensor_optimizer(optimizer: torch.optim.Optimizer) -> bool:
 
 
 @dataclass
-class _Param:
+class WholeParam:
     """One sharded parameter of a whole-tensor optimizer."""
 
     param: torch.nn.Parameter
@@ -139,7 +144,7 @@ class _Param:
 
 
 @dataclass
-class _Group:
+class WholeGroup:
     """The parameters of one shard group (and device and dtype): they travel in one all-to-all."""
 
     group: Any
@@ -147,12 +152,12 @@ class _Group:
     rank: int
     device: torch.device
     dtype: torch.dtype
-    params: list[_Param] = field(default_factory=list)
+    params: list[WholeParam] = field(default_factory=list)
 
 
 @dataclass
-class _Plan:
-    groups: list[_Group]
+class WholeTensorPlan:
+    groups: list[WholeGroup]
     stashed: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = field(default_factory=list)
     active: bool = False
     # elements this rank sent in the exchanges of the last step: values and gradients to owners, pieces back
@@ -160,9 +165,9 @@ class _Plan:
 
 
 # per optimizer: the ids of its parameters and their handles when planned, and the plan (None: nothing sharded)
-_PLANS: WeakKeyDictionary[torch.optim.Optimizer, tuple[tuple[tuple[int, int], ...], _Plan | None]] = (
-    WeakKeyDictionary()
-)
+_PLANS: WeakKeyDictionary[
+    torch.optim.Optimizer, tuple[tuple[tuple[int, int], ...], WholeTensorPlan | None]
+] = WeakKeyDictionary()
 
 
 def _cost(shape: torch.Size) -> int:
@@ -170,14 +175,14 @@ def _cost(shape: torch.Size) -> int:
     return numel * min(shape[-2:]) if len(shape) >= 2 else numel
 
 
-def _plan(optimizer: torch.optim.Optimizer) -> _Plan | None:
+def plan_of(optimizer: torch.optim.Optimizer) -> WholeTensorPlan | None:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     # the parameters and their units: a plan made before shard() (nothing sharded yet) is not kept after it
     key = tuple((id(p), id(handle_of_param(p))) for p in params)
     cached = _PLANS.get(optimizer)
     if cached is not None and cached[0] == key:
         return cached[1]
-    groups: dict[tuple[int, torch.device, torch.dtype], _Group] = {}
+    groups: dict[tuple[int, torch.device, torch.dtype], WholeGroup] = {}
     for p in params:
         handle = handle_of_param(p)
         if handle is None or handle.shard_world == 1:  # not sharded: whole already
@@ -185,12 +190,12 @@ def _plan(optimizer: torch.optim.Optimizer) -> _Plan | None:
         i = handle.index_of(p)
         g = groups.get((id(handle.shard_group), handle.device, handle.dtype))
         if g is None:
-            g = groups[(id(handle.shard_group), handle.device, handle.dtype)] = _Group(
+            g = groups[(id(handle.shard_group), handle.device, handle.dtype)] = WholeGroup(
                 handle.shard_group, handle.shard_world, handle.shard_rank, handle.device, handle.dtype
             )
         infos = [handle.layout.shard_infos(r)[i] for r in range(handle.shard_world)]
         g.params.append(
-            _Param(
+            WholeParam(
                 p,
                 handle,
                 i,
@@ -206,16 +211,16 @@ def _plan(optimizer: torch.optim.Optimizer) -> _Plan | None:
             owner = min(range(g.world), key=lambda r: (load[r], r))
             item.owner = owner
             load[owner] += _cost(item.shape)
-    plan = _Plan(list(groups.values())) if groups else None
+    plan = WholeTensorPlan(list(groups.values())) if groups else None
     _PLANS[optimizer] = (key, plan)
     return plan
 
 
-Entry = tuple[_Param, torch.Tensor | None]
+Entry = tuple[WholeParam, torch.Tensor | None]
 
 
 def _all_to_all(
-    g: _Group,
+    g: WholeGroup,
     send: list[torch.Tensor],
     in_splits: list[int],
     out_splits: list[int],
@@ -231,7 +236,7 @@ def _all_to_all(
     return flat_out
 
 
-def _to_owners(g: _Group, entries: list[Entry], dtype: torch.dtype, what: str) -> dict[int, torch.Tensor]:
+def to_owners(g: WholeGroup, entries: list[Entry], dtype: torch.dtype, what: str) -> dict[int, torch.Tensor]:
     """Each rank gives its flat piece of every entry (the same entries, in the same order, on every rank); returns,
     by position in ``entries``, the whole flat tensors of those this rank owns."""
     send = [
@@ -255,7 +260,9 @@ def _to_owners(g: _Group, entries: list[Entry], dtype: torch.dtype, what: str) -
     return wholes
 
 
-def _from_owners(g: _Group, entries: list[Entry], dtype: torch.dtype, what: str) -> dict[int, torch.Tensor]:
+def from_owners(
+    g: WholeGroup, entries: list[Entry], dtype: torch.dtype, what: str
+) -> dict[int, torch.Tensor]:
     """The owner of every entry gives its whole flat tensor (``None`` elsewhere); returns, by position in
     ``entries``, this rank's piece of each."""
     send = [
@@ -320,7 +327,7 @@ def _sum_digests(pieces: list[torch.Tensor]) -> list[int]:
     return [int(v) for v in sums.tolist()]
 
 
-def _marks(live: list[_Param]) -> list[tuple[int, int, int, int]]:
+def _marks(live: list[WholeParam]) -> list[tuple[int, int, int, int]]:
     """What each piece is now: its digest and the version counters an in-place write through the parameter or
     the shard bumps (a write through ``.data`` bumps neither: the digest sees it)."""
     digests = _digests([q.handle.piece(q.index) for q in live])
@@ -330,7 +337,7 @@ def _marks(live: list[_Param]) -> list[tuple[int, int, int, int]]:
     ]
 
 
-def _stale(g: _Group, live: list[_Param]) -> list[bool]:
+def _stale(g: WholeGroup, live: list[WholeParam]) -> list[bool]:
     """Which of ``live`` their owner must be sent values for, the same answer on every rank of the group: those
     with no whole value on the owner yet, or with a piece anywhere that is not what the last step left (a load,
     an in-place edit, a write through ``.data``: whatever wrote it)."""
@@ -347,7 +354,7 @@ def _stale(g: _Group, live: list[_Param]) -> list[bool]:
     return [bool(v) for v in votes.tolist()]
 
 
-def _gather_to_owners(plan: _Plan) -> None:
+def _gather_to_owners(plan: WholeTensorPlan) -> None:
     """Step 2 of [Note: whole-tensor optimizers]: gradients (and values where stale) to the owners, whole tensors
     put in place."""
     plan.stashed = []
@@ -365,7 +372,7 @@ def _gather_to_owners(plan: _Plan) -> None:
                 plan.sent["values"] += elsewhere
             entries.append((q, grad.detach().reshape(-1)))
             plan.sent["grads"] += elsewhere
-        wholes = _to_owners(g, entries, g.dtype, "gradients to their owners (whole-tensor optimizer step)")
+        wholes = to_owners(g, entries, g.dtype, "gradients to their owners (whole-tensor optimizer step)")
         at = 0
         for q, needs_value in zip(live, stale, strict=True):
             plan.stashed.append((q.param, q.param.grad))
@@ -383,7 +390,7 @@ def _gather_to_owners(plan: _Plan) -> None:
     plan.active = True
 
 
-def _scatter_from_owners(plan: _Plan) -> None:
+def _scatter_from_owners(plan: WholeTensorPlan) -> None:
     """Step 3 of [Note: whole-tensor optimizers]: each rank's pieces of the updated parameters back to it."""
     stashed = {id(p): grad for p, grad in plan.stashed}
     for g in plan.groups:
@@ -394,7 +401,7 @@ def _scatter_from_owners(plan: _Plan) -> None:
         plan.sent["back"] += sum(
             q.counts[d] for q in live if q.owner == g.rank for d in range(g.world) if d != g.rank
         )
-        for k, piece in _from_owners(
+        for k, piece in from_owners(
             g, entries, g.dtype, "updated pieces from their owners (whole-tensor optimizer step)"
         ).items():
             live[k].handle.piece(live[k].index).detach().reshape(-1).copy_(piece)
@@ -407,7 +414,7 @@ def _scatter_from_owners(plan: _Plan) -> None:
     plan.active = False
 
 
-def _restore(plan: _Plan) -> None:
+def restore_pieces(plan: WholeTensorPlan) -> None:
     """Pieces back in place after a step that raised (its post-step hook never ran); the shards are unchanged,
     the owners' whole values are not to be trusted: the next step sends values again."""
     for p, grad in plan.stashed:
@@ -425,11 +432,11 @@ def _restore(plan: _Plan) -> None:
 def _pre_step(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if not is_whole_tensor_optimizer(optimizer):
         return None
-    plan = _plan(optimizer)
+    plan = plan_of(optimizer)
     if plan is None:
         return None
     if plan.active:  # the last step raised between the two exchanges
-        _restore(plan)
+        restore_pieces(plan)
     # torch passes the step's own arguments: ``args[0]`` is the optimizer, ``args[1]`` a positional closure
     closure: Callable[[], Any] | None = kwargs.get("closure", args[1] if len(args) > 1 else None)
     if closure is None:
@@ -508,177 +515,3 @@ def install_hooks() -> None:
         register_optimizer_step_pre_hook(_pre_step)
         register_optimizer_step_post_hook(_post_step)
         _hooks_installed = True
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Checkpoints: the state as pieces while it is saved, whole again once it is loaded
-# ----------------------------------------------------------------------------------------------------------
-# [Note: saving whole-tensor optimizer state]
-# Between steps a whole-tensor optimizer's state for a sharded parameter is whole, on the parameter's owner only.
-# Every checkpoint path (full files, streamed or not, sharded directories, resharding on load) handles optimizer
-# state laid out like the parameters' pieces, as an elementwise optimizer keeps it. So while the state is read
-# for a save, each state tensor shaped like its parameter is cut into those pieces and sent to the ranks holding
-# them (one all-to-all per shard group); the owner's whole tensors are put back afterwards, unchanged. After a
-# load, the pieces every rank received go to the owners (one all-to-all) and are whole again. A checkpoint of
-# such an optimizer is therefore the one an elementwise optimizer's would be: the plain format in a full file,
-# DCP-native pieces in a directory, loadable on any world size and under DDP. State tensors of another shape
-# (Adafactor's row and column statistics, Shampoo's preconditioners of a non-square matrix) cannot be cut like
-# the parameter: the owner broadcasts them for the save, so that they are replicated state like ``step`` (whole
-# in a full file, one whole tensor in a directory), each rank holding them whole while the save reads them. A
-# loader that puts such a tensor in whole (its shape is not the parameter's) says so (note_loaded_whole);
-# after_load keeps it on the owner only.
-
-
-# while a save reads the state (states_as_pieces), and from a load until after_load: see whole_state_keys
-_WHOLE_STATE: WeakKeyDictionary[torch.optim.Optimizer, set[tuple[int, str]]] = WeakKeyDictionary()
-_LOADED_WHOLE: WeakKeyDictionary[torch.optim.Optimizer, set[tuple[int, str]]] = WeakKeyDictionary()
-
-
-def _state_plan(optimizer: torch.optim.Optimizer) -> _Plan | None:
-    if not is_whole_tensor_optimizer(optimizer):
-        return None
-    plan = _plan(optimizer)
-    if plan is not None and plan.active:
-        _restore(plan)
-    return plan
-
-
-@contextmanager
-def states_as_pieces(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Within the block the optimizer's state of its sharded parameters is in pieces on every rank (collective;
-    see [Note: saving whole-tensor optimizer state]). Tensors read inside stay valid after it."""
-    plan = _state_plan(optimizer)
-    if plan is None:
-        yield
-        return
-    stashed: dict[int, tuple[torch.nn.Parameter, dict[str, Any] | None]] = {}
-    whole_keys: set[tuple[int, str]] = set()
-    for g in plan.groups:
-        meta: dict[int, dict[str, Any]] = {}
-        for n, q in enumerate(g.params):
-            state = optimizer.state.get(q.param) if q.owner == g.rank else None
-            if not state:
-                continue
-            entry: dict[str, Any] = {}
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.shape == q.shape and value.dim() > 0:
-                    entry[key] = ("piece", value.dtype)
-                elif isinstance(value, torch.Tensor) and value.dim() > 0:
-                    entry[key] = ("whole", value.dtype, tuple(value.shape))
-                else:
-                    entry[key] = ("value", value)
-            meta[n] = entry
-        merged: list[dict[int, dict[str, Any]]] = [{} for _ in range(g.world)]
-        dist.all_gather_object(merged, meta, group=g.group)
-        everyone = {n: e for part in merged for n, e in part.items()}
-        dtypes = sorted(
-            {kind[1] for e in everyone.values() for kind in e.values() if kind[0] == "piece"}, key=str
-        )
-        pieces: dict[tuple[int, str], torch.Tensor] = {}
-        for dtype in dtypes:
-            keyed = [
-                (n, key)
-                for n, e in sorted(everyone.items())
-                for key, kind in sorted(e.items())
-                if kind[0] == "piece" and kind[1] == dtype
-            ]
-            entries: list[Entry] = [
-                (
-                    g.params[n],
-                    optimizer.state[g.params[n].param][key].reshape(-1)
-                    if g.params[n].owner == g.rank
-                    else None,
-                )
-                for n, key in keyed
-            ]
-            for k, piece in _from_owners(g, entries, dtype, "optimizer state pieces for a save").items():
-                pieces[keyed[k]] = piece.to(g.params[keyed[k][0]].handle.sharded.device)
-        for n, e in sorted(everyone.items()):  # other shapes: the owner's tensor, replicated
-            q = g.params[n]
-            for key, kind in sorted(e.items()):
-                if kind[0] != "whole":
-                    continue
-                mine = optimizer.state[q.param][key] if q.owner == g.rank else None
-                box = (
-                    mine.to(g.device)
-                    if mine is not None
-                    else torch.empty(kind[2], dtype=kind[1], device=g.device)
-                )
-                work = dist.broadcast(
-                    box, src=dist.get_global_rank(g.group, q.owner), group=g.group, async_op=True
-                )
-                watchdog.wait_collective(
-                    work, "broadcast of whole optimizer state for a save", g.group, "broadcast"
-                )
-                pieces[(n, key)] = mine if mine is not None else box.to(q.handle.sharded.device)
-                whole_keys.add((id(q.param), key))
-        for n, e in everyone.items():
-            q = g.params[n]
-            stashed[id(q.param)] = (q.param, optimizer.state.get(q.param) if q.owner == g.rank else None)
-            optimizer.state[q.param] = {
-                key: pieces[(n, key)] if kind[0] in ("piece", "whole") else kind[1] for key, kind in e.items()
-            }
-    _WHOLE_STATE[optimizer] = whole_keys
-    try:
-        yield
-    finally:
-        _WHOLE_STATE.pop(optimizer, None)
-        for p, whole in stashed.values():
-            if whole is not None:
-                optimizer.state[p] = whole
-            else:
-                optimizer.state.pop(p, None)
-
-
-def whole_state_keys(optimizer: torch.optim.Optimizer) -> set[tuple[int, str]]:
-    """Inside :func:`states_as_pieces`: ``(id(parameter), key)`` of the state tensors of sharded parameters that
-    are whole (not shaped like their parameter, so not cut into pieces) and replicated on every rank."""
-    return _WHOLE_STATE.get(optimizer, set())
-
-
-def note_loaded_whole(optimizer: torch.optim.Optimizer, keys: set[tuple[int, str]]) -> None:
-    """A loader's record, for the next :func:`after_load`: ``(id(parameter), key)`` of the state tensors of sharded
-    parameters it put in whole (not cut like their parameter)."""
-    _LOADED_WHOLE[optimizer] = keys
-
-
-def after_load(optimizer: torch.optim.Optimizer) -> None:
-    """After a load put state in pieces into the optimizer on every rank: make it whole on the owners again
-    (collective; see [Note: saving whole-tensor optimizer state]). State the loader put in whole (see
-    :func:`note_loaded_whole`) stays whole on the owner and is dropped elsewhere."""
-    loaded_whole = _LOADED_WHOLE.pop(optimizer, set())
-    plan = _state_plan(optimizer)
-    if plan is None:
-        return
-    for g in plan.groups:
-        loaded = [(n, q) for n, q in enumerate(g.params) if optimizer.state.get(q.param)]
-        keys: dict[int, list[str]] = {}
-        for n, q in loaded:
-            keys[n] = []
-            for k, v in sorted(optimizer.state[q.param].items()):
-                if not isinstance(v, torch.Tensor) or v.dim() == 0 or (id(q.param), k) in loaded_whole:
-                    continue
-                if v.numel() != q.counts[g.rank]:
-                    raise ValueError(
-                        f"{type(optimizer).__name__}'s loaded state {k!r} of a sharded parameter of shape "
-                        f"{tuple(q.shape)} has {v.numel()} elements on rank {g.rank} of its shard group, its piece "
-                        f"{q.counts[g.rank]}. HINT: load optimizer state through flatshard.load_checkpoint or "
-                        "flatshard.set_state_dict, which cut it for this layout."
-                    )
-                keys[n].append(k)
-        dtypes = sorted({optimizer.state[q.param][k].dtype for n, q in loaded for k in keys[n]}, key=str)
-        wholes: dict[tuple[int, str], torch.Tensor] = {}
-        for dtype in dtypes:
-            keyed = [(n, k) for n, q in loaded for k in keys[n] if optimizer.state[q.param][k].dtype == dtype]
-            entries: list[Entry] = [
-                (g.params[n], optimizer.state[g.params[n].param][k].reshape(-1)) for n, k in keyed
-            ]
-            for i, whole in _to_owners(g, entries, dtype, "loaded optimizer state to its owners").items():
-                wholes[keyed[i]] = whole
-        for n, q in loaded:
-            if q.owner != g.rank:
-                del optimizer.state[q.param]
-                continue
-            state = optimizer.state[q.param]
-            for k in keys[n]:
-                state[k] = wholes[(n, k)].view(q.shape).to(q.handle.sharded.device)
