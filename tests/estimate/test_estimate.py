@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -361,10 +362,19 @@ def test_timing_model_by_hand() -> None:
     assert t.step == pytest.approx(12e-6)
 
 
-def test_an_estimate_leaves_no_desync_settings_behind() -> None:
-    """The fake group's settings go with it: a later process group of the same name starts from the defaults."""
-    from flatshard.engine.transport import watchdog
+def test_an_estimate_leaves_no_desync_settings_behind(tmp_path: Path) -> None:
+    """The fake group's state goes with it: a later process group of the same name starts from the defaults
+    (its desync limit is not the estimate's ``None``), even before the estimate's model is collected."""
+    import torch.distributed as dist
 
-    before = dict(watchdog._STATE.limits)
+    from flatshard.engine.transport import watchdog
+    from flatshard.engine.transport.groups import state_of
+
     estimate(gpt, [2], device="cpu")
-    assert watchdog._STATE.limits == before
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        state = state_of(None)
+        assert not state.limit_set and state.flat_seq == 0
+        assert watchdog.group_limit(state) == watchdog.limit() == watchdog.DEFAULT_LIMIT_S
+    finally:
+        dist.destroy_process_group()

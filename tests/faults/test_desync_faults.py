@@ -314,7 +314,7 @@ def _torch(op: str, seq: int, issued_flat: list[list[Any]], c10d: int | None = N
 
 def _verdict(states: list[dict[str, Any]]) -> str | None:
     store = _Store(states)
-    watchdog._evaluate(store, 0, len(states), states[0], {})
+    watchdog._evaluate(watchdog.Monitor(), store, 0, len(states), states[0], {})
     found = store.data.get("flatshard/desync/verdict")
     return json.loads(found)["report"] if found else None
 
@@ -369,13 +369,11 @@ AG4 = [4, "all_gather", 8, "float32"]
     ],
 )
 def test_the_verdict_needs_positive_evidence(case: str, states: list[dict[str, Any]], reported: bool) -> None:
-    watchdog._STATE.verdict = watchdog._STATE.verdict_wait = watchdog._STATE.verdict_at = None
     host = states[0]["host"]
     for s in states:
         s["host"] = host
         s["pid"] = __import__("os").getpid()  # alive
     assert (_verdict(states) is not None) == reported, case
-    watchdog._STATE.verdict = watchdog._STATE.verdict_wait = watchdog._STATE.verdict_at = None
 
 
 def test_an_exited_rank_is_evidence_a_silent_one_is_not() -> None:
@@ -386,9 +384,8 @@ def test_an_exited_rank_is_evidence_a_silent_one_is_not() -> None:
         store = _Store([_flat(5, [AG5]), silent])
         peers = {1: watchdog._Peer()}
         peers[1].beat, peers[1].changed = silent["beat"], time.monotonic() - 60.0
-        watchdog._evaluate(store, 0, 2, _flat(5, [AG5]), peers)
+        watchdog._evaluate(watchdog.Monitor(), store, 0, 2, _flat(5, [AG5]), peers)
         assert "flatshard/desync/verdict" not in store.data
-    watchdog._STATE.verdict = watchdog._STATE.verdict_wait = watchdog._STATE.verdict_at = None
 
 
 # -- limits per root ----------------------------------------------------------------------------------------

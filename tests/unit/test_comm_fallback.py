@@ -12,17 +12,16 @@ import torch
 import torch.distributed as dist
 
 from flatshard.engine.transport import comm
+from flatshard.engine.transport.groups import state_of
 
 
 @pytest.fixture
 def one_rank(tmp_path: Path) -> Iterator[None]:
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    comm._NO_NATIVE_REDUCE_SCATTER.clear()
     try:
         yield
     finally:
-        comm._NO_NATIVE_REDUCE_SCATTER.clear()
         dist.destroy_process_group()
 
 
@@ -56,4 +55,4 @@ def test_other_backend_errors_are_raised(one_rank: None, monkeypatch: pytest.Mon
     )
     with pytest.raises(RuntimeError, match="Connection reset by peer"):
         comm.reduce_scatter_flat(torch.empty(4), torch.ones(4), None, async_op=False)
-    assert not comm._NO_NATIVE_REDUCE_SCATTER  # the native path is still used next time
+    assert state_of(None).native_reduce_scatter  # the native path is still used next time

@@ -78,7 +78,7 @@ def test_a_labelled_wait_polls_and_records_the_gather(monkeypatch: pytest.Monkey
     limiter.record_free(lambda: PolledEvent(3), _label())
     limiter.before_all_gather()
     assert seen and all(label == _label() for label in seen) and limiter.waits == 1
-    assert watchdog._STATE.wait is None  # the wait is over: nothing left for the heartbeat
+    assert watchdog.current_wait() is None  # the wait is over: nothing left for the heartbeat
 
 
 def test_without_a_limit_or_label_the_wait_blocks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -89,7 +89,7 @@ from flatshard.engine.step.whole_tensor import (
 )
 from flatshard.engine.transport.comm import comm_stats, global_rank, timeline, uses_nccl
 from flatshard.engine.transport.processes import ProcessId
-from flatshard.engine.transport.watchdog import DesyncError, limits_restored, wait_collective
+from flatshard.engine.transport.watchdog import DesyncError, wait_collective
 from flatshard.engine.unfilled import UnfilledError
 from flatshard.engine.unit_layout import UnitLayout, gathered_buffers, unit_layouts, whole_tensor_owners
 
@@ -141,7 +141,6 @@ __all__ = [
     "is_sharded",
     "is_whole_tensor_optimizer",
     "join",
-    "limits_restored",
     "load_converted_optim_state",
     "load_full_model_state_dict",
     "load_full_optim_state_dict",

@@ -22,7 +22,6 @@ from flatshard.engine import (
     comm_stats,
     gathered_buffers,
     is_whole_tensor_optimizer,
-    limits_restored,
     original_shapes,
     shard,
     timeline,
@@ -237,8 +236,8 @@ def dry_run(
             "command."
         )
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world)
-    try:  # the fake group's settings go with it: a later group may reuse its name
-        with _attention_as_on_devices(), limits_restored():
+    try:  # the fake group's state (its desync limit) goes with it: see [Note: state per process group]
+        with _attention_as_on_devices():
             return _measure(factory, name, opts, world, group)
     finally:
         dist.destroy_process_group()

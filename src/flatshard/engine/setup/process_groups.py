@@ -10,8 +10,9 @@ HYBRID_SHARD / HYBRID_SHARD_ZERO2 shard inside groups of ``k`` consecutive ranks
 and replicate across them: shard group ``i`` is ranks ``[i*k, (i+1)*k)``, replicate group ``j`` is ranks
 ``j, j+k, j+2k, ...``. Groups come from ``shard_group_size=k``, a ``(shard_group, replicate_group)``
 tuple, or a 2-D ``DeviceMesh`` (dim 0 replicates, dim 1 shards, torch's convention). Groups made from
-a size are created once per (world, k) and reused, so every unit of a model shares the same groups
-(required: a unit whose groups differ is refused).
+a size are created once per ``k`` and kept in the default group's state (see [Note: state per process
+group]), so every unit of a model shares the same groups (required: a unit whose groups differ is refused),
+and they go when the default group does.
 
 A layout with one group on a side is the degenerate case of the other strategies, and runs as such (one info
 log line says so): one shard group spanning every rank (one node, the default group size there) has nothing
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from flatshard.engine.log_once import log_once
+from flatshard.engine.transport.groups import state_of
 
 if TYPE_CHECKING:
     from flatshard.engine.config import ShardingStrategy  # its values are only read
@@ -36,10 +38,6 @@ if TYPE_CHECKING:
 __all__ = ["hybrid_groups", "resolve_groups"]
 
 log = logging.getLogger(__name__)
-
-# (world size, shard group size) -> (default group, shard groups, replicate groups); entries made under an
-# earlier default group (destroyed and initialized again) are stale and made anew.
-_HYBRID_CACHE: dict[tuple[int, int], tuple[Any, list[Any], list[Any]]] = {}
 
 
 def resolve_groups(
@@ -178,10 +176,10 @@ def hybrid_groups(k: int) -> tuple[Any, Any]:
     if k == world or k == 1:
         whole = dist.group.WORLD if world > 1 else None
         return (whole, None) if k == world else (None, whole)
-    cached = _HYBRID_CACHE.get((world, k))
-    if cached is None or cached[0] is not dist.group.WORLD:
+    made = state_of(None).hybrid  # kept by the default group, and dropped with it
+    if k not in made:
         shards = [dist.new_group(list(range(i * k, (i + 1) * k))) for i in range(world // k)]
         replicas = [dist.new_group(list(range(j, world, k))) for j in range(k)]
-        cached = _HYBRID_CACHE[(world, k)] = (dist.group.WORLD, shards, replicas)
-    _, shards, replicas = cached
+        made[k] = (shards, replicas)
+    shards, replicas = made[k]
     return shards[rank // k], replicas[rank % k]

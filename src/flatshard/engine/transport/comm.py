@@ -7,7 +7,7 @@ that is what lets communication overlap compute, on CUDA streams and on CPU/gloo
 Quirks handled here:
 - gloo has no AVG reduction: reductions are SUM and the caller divides (``divide_factor``).
 - older torch builds lack gloo ``reduce_scatter_tensor``: fall back to all-reduce + local slice, with
-  one warning (the fallback moves twice the bytes); only an error that says the operation is not
+  one warning per process group (the fallback moves twice the bytes); only an error that says the operation is not
   supported or implemented selects it, any other error is raised.
 - newer torch builds rename ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``*_single``.
 - CPU tensors of ranks on one host go through shared memory instead of the backend (see
@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from flatshard.engine.transport import memory, shm, watchdog
+from flatshard.engine.transport import groups, memory, shm, watchdog
 from flatshard.engine.transport.pieces import FlatPieces
 
 __all__ = [
@@ -61,9 +61,6 @@ ProcessGroup = Any  # torch.distributed.ProcessGroup; typed loosely for older to
 
 _all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-# Backends that raised "not supported" for reduce_scatter once: never tried again in this process.
-_NO_NATIVE_REDUCE_SCATTER: set[str] = set()
 
 NATIVE_DTYPES: frozenset[torch.dtype] = frozenset(
     {
@@ -236,7 +233,7 @@ def _wait(work: Any, label: watchdog.Label | None, output: torch.Tensor) -> None
     See [Note: finding a desync]. A shared-memory work is waited on in slices too (its worker also stops
     on a verdict); a CUDA work's ``wait`` only orders streams and never blocks the CPU.
     """
-    limit = watchdog.limit() if label is None else watchdog.limit_for(label.name)
+    limit = watchdog.limit() if label is None else watchdog.group_limit(label.state)
     if output.device.type != "cpu" or limit is None:
         work.wait()
         return
@@ -246,22 +243,13 @@ def _wait(work: Any, label: watchdog.Label | None, output: torch.Tensor) -> None
     watchdog.wait_sliced(work, label)
 
 
-# Per process group (by id, the group kept to detect reuse of an id): its global ranks and the number of
-# flat collectives issued on it, for the labels of [Note: finding a desync].
-_GROUP_SEQ: dict[int, tuple[Any, tuple[int, ...], list[int], str]] = {}
-
-
 def _label(
     kind: str, tensor: torch.Tensor, numel: int, group: ProcessGroup | None, where: Any
 ) -> watchdog.Label:
-    pg = group if group is not None else dist.group.WORLD
-    entry = _GROUP_SEQ.get(id(pg))
-    if entry is None or entry[0] is not pg:
-        ranks = tuple(dist.get_process_group_ranks(pg))
-        entry = _GROUP_SEQ[id(pg)] = (pg, ranks, [0], watchdog.group_name(pg))
-    entry[2][0] += 1
+    state = groups.state_of(group)  # numbered per group: see [Note: state per process group]
+    state.flat_seq += 1
     dtype = str(tensor.dtype).removeprefix("torch.")
-    return watchdog.Label(kind, numel, dtype, entry[1], entry[2][0], where, entry[3])
+    return watchdog.Label(kind, numel, dtype, state.ranks, state.flat_seq, where, state.name, state=state)
 
 
 def _issued(
@@ -374,20 +362,20 @@ def reduce_scatter_flat(
     if channel is not None:
         work = channel.reduce_scatter(output, full, label=label)
         return _issued("reduce_scatter", nbytes, output, work, async_op, label)
-    backend = str(dist.get_backend(group))
-    if backend not in _NO_NATIVE_REDUCE_SCATTER:
+    state = groups.state_of(group)
+    if state.native_reduce_scatter:
         try:
             work = _reduce_scatter_base(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
             return _issued("reduce_scatter", nbytes, output, work, async_op, label, group)
         except (RuntimeError, NotImplementedError) as err:  # pragma: no cover - depends on torch build
             if not _unsupported(err):
                 raise
-            _NO_NATIVE_REDUCE_SCATTER.add(backend)
+            state.native_reduce_scatter = False
             log.warning(
                 "flatshard: the %r backend has no reduce_scatter (%s); gradients are reduced with all_reduce "
-                "and sliced from now on in this process, which moves twice the bytes (%d per reduction of "
+                "and sliced from now on on this process group, which moves twice the bytes (%d per reduction of "
                 "this size). HINT: use a torch build whose backend implements reduce_scatter_tensor, or NCCL.",
-                backend,
+                str(dist.get_backend(group)),
                 str(err).splitlines()[0][:200],
                 2 * nbytes,
             )

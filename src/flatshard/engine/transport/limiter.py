@@ -81,7 +81,7 @@ class AllGatherLimiter:
 def _wait_event(event: Event, label: watchdog.Label | None) -> None:
     """Block until ``event`` completes; with a desync limit, poll it so a desync is reported, not a hang."""
     query = getattr(event, "query", None)
-    if query is None or label is None or watchdog.limit_for(label.name) is None or query():
+    if query is None or label is None or watchdog.group_limit(label.state) is None or query():
         event.synchronize()
         return
     since = look = time.monotonic()

@@ -83,6 +83,7 @@ import torch.distributed as dist
 
 from flatshard.engine.transport import watchdog
 from flatshard.engine.transport.env import env_flag
+from flatshard.engine.transport.groups import state_of
 from flatshard.engine.transport.memory import libc
 from flatshard.engine.transport.pieces import FlatPieces
 from flatshard.engine.transport.processes import pid_gone
@@ -338,6 +339,7 @@ class ShmGroup:
         self._futex = _futex()
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._broken: BaseException | None = None
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name="flatshard-shm", daemon=True)
         self._thread.start()
 
@@ -370,15 +372,37 @@ class ShmGroup:
         self, fn: Callable[..., None], label: watchdog.Label | None, *tensors: torch.Tensor | FlatPieces
     ) -> ShmWork:
         work = ShmWork()
+        if self._closing:
+            raise RuntimeError(
+                "flatshard: a collective was issued on a shared-memory channel that was closed with its process "
+                "group. HINT: do not use a process group after torch.distributed.destroy_process_group()."
+            )
         if self._broken is not None:  # an earlier collective failed: the ranks are out of step
             work._finish(_stopped(self._broken))
             return work
         self._queue.put((fn, label, tensors, work))
         return work
 
+    def close(self) -> None:
+        """Stop the worker once the collectives issued so far are done, then unmap the segments (the memory of
+        a segment is freed when the last process mapping it unmaps it). Waits up to a second for the worker,
+        unless called from it; idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        self._queue.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)
+
     def _run(self) -> None:
         while True:
-            fn, label, tensors, work = self._queue.get()
+            item = self._queue.get()
+            if item is None:  # closed: see close()
+                self._seq, self._records = {}, {}
+                for segment in self._segments.values():
+                    segment.close()
+                return
+            fn, label, tensors, work = item
             if self._broken is not None:
                 work._finish(_stopped(self._broken))
                 continue
@@ -718,22 +742,20 @@ def _open_peer(entry: dict[str, Any], nbytes: int) -> Segment:
     return seg
 
 
-# One entry per process group seen: the group, and its ShmGroup or None where the backend is used.
-_GROUPS: dict[int, tuple[Any, ShmGroup | None]] = {}
-
-
 def shm_group(group: ProcessGroup | None, slot_bytes: int | None = None) -> ShmGroup | None:
     """The shared-memory transport of ``group`` (``None``: the default group), set up on first use.
 
-    Collective on first call for a group: every rank of the group must call it at the same point (it
-    is called from the first flat collective on the group, which every rank issues). Returns ``None``
-    where the group's backend must be used (see [Note: shared-memory collectives]).
+    Collective on first call for a group: every rank of the group must call it at the same point (``shard()``
+    does, for its groups). Returns ``None`` where the group's backend must be used (see [Note: shared-memory
+    collectives]). The channel belongs to the group's state and is closed with it (see [Note: state per
+    process group]).
     """
-    pg = group if group is not None else dist.group.WORLD
-    entry = _GROUPS.get(id(pg))
-    if entry is None or entry[0] is not pg:  # a group made after an older one with this id was dropped
-        entry = _GROUPS[id(pg)] = (pg, _setup(pg, slot_bytes or DEFAULT_SLOT_BYTES))
-    return entry[1]
+    state = state_of(group)
+    if not state.channel_agreed:
+        pg = group if group is not None else dist.group.WORLD
+        state.channel = _setup(pg, slot_bytes or DEFAULT_SLOT_BYTES)
+        state.channel_agreed = True
+    return state.channel
 
 
 def _setup(pg: ProcessGroup, slot_bytes: int) -> ShmGroup | None:

@@ -22,11 +22,13 @@ might still be working is never reported (no false alarm by construction).
   pickling inside ``broadcast_object_list``, DCP's planning) is *running*. Frames are told apart by their
   module's ``__name__``, never by file paths.
 * **Limits.** Each root's ``desync_timeout`` is the limit of the collectives on its process groups
-  (:func:`configure`); a collective on another group (a strategy's barrier, a torch.distributed call) has
-  the smallest limit set in the process, which also sets the heartbeat's pace. A wait whose limit is off
-  (``None``) is never reported.
-* **Heartbeat.** One daemon thread per process publishes, every ``beat`` seconds, this rank's state in the
-  default group's c10d store (``flatshard/desync/<rank>``): the wait above or "running", its duration, the
+  (:func:`configure`), kept in the group's state (see [Note: state per process group]), so it goes with the
+  group; a collective on another group (a strategy's barrier, a torch.distributed call) has the smallest
+  limit set on a live group, which also sets the heartbeat's pace. A wait whose limit is off (``None``) is
+  never reported.
+* **Heartbeat.** One daemon thread per default process group (its :class:`Monitor` is part of that group's
+  state, and stops with it) publishes, every ``beat`` seconds, this rank's state in the default group's c10d
+  store (``flatshard/desync/<rank>``): the wait above or "running", its duration, the
   limit of that wait and the beat interval, its process (host, boot, pid and start time), and the issued signatures. At exit it publishes "exited".
 * **Verdict.** A rank waiting for ``limit / 2`` reads every rank's state. It is a desync only when
   - every rank waits in a collective for at least half of *its own* wait's limit, with a heartbeat that advanced
@@ -74,27 +76,25 @@ import os
 import sys
 import threading
 import time
-import weakref
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
 from flatshard.engine.transport.env import env_seconds
+from flatshard.engine.transport.groups import GroupState, live, state_of, world_state
 from flatshard.engine.transport.processes import ProcessId
 
 __all__ = [
     "DEFAULT_LIMIT_S",
     "DesyncError",
     "Label",
+    "Monitor",
     "adopt_verdict",
     "blocked",
     "configure",
+    "group_limit",
     "limit",
-    "limit_for",
-    "limits_restored",
     "note_issued",
     "raise_verdict_on_exit",
     "start",
@@ -184,6 +184,7 @@ class Label(NamedTuple):
     name: str = ""  # the process group's name (the same on every rank), "" if unknown
     op: str = ""  # a strategy collective's torch.distributed operation ("barrier", "all_reduce")
     c10d_seq: int = 0  # its number among the process group's own collectives (0: not a c10d collective)
+    state: GroupState | None = None  # its process group's state (its limit); None: the process-wide limit
 
     def describe(self) -> str:
         if self.seq < 0:  # a collective of the strategies (wait_collective): its kind says what it is
@@ -211,75 +212,83 @@ class _Wait:
 
 
 @dataclasses.dataclass
-class _Watchdog:
-    # process group name -> its limit (None: never report); see configure()
-    limits: dict[str, float | None] = dataclasses.field(default_factory=dict)
+class Monitor:
+    """The desync detector's state in one process: the main thread's wait, the verdict adopted and the heartbeat
+    thread. Owned by the default process group's state (its store is where the heartbeat publishes; see [Note:
+    state per process group]): a new default group starts a new monitor, and the old one's heartbeat stops."""
+
     wait: _Wait | None = None  # the main thread's wait in a labelled collective
     waits: int = 0  # wait numbers handed out (labelled and torch.distributed waits alike)
-    # process group name -> [seq, kind, numel, dtype, c10d number, c10d family] of the last flat collectives
-    # this rank issued there
-    issued: dict[str, deque[list[Any]]] = dataclasses.field(default_factory=dict)
     verdict: str | None = None  # the last report adopted
     verdict_wait: str | None = None  # the wait of this process it is about
     verdict_at: float | None = None  # when it was adopted (monotonic)
     thread: threading.Thread | None = None
-    stop: threading.Event = dataclasses.field(default_factory=threading.Event)
+    stopped: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def stop(self) -> None:
+        """Stop the heartbeat (waiting up to a second for it, unless called from it)."""
+        self.stopped.set()
+        thread = self.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=1.0)
+
+    def next_wait(self) -> str:
+        self.waits += 1
+        return f"{_NONCE}:{self.waits}"
 
 
-_STATE = _Watchdog()
-# process group name -> the group: their c10d sequence numbers are published (see [Note: finding a desync])
-_GROUPS: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+def _monitor() -> Monitor | None:
+    """The default group's monitor (made on first use), or ``None`` without an initialized default group."""
+    state = world_state()
+    if state is None:
+        return None
+    if state.monitor is None:
+        state.monitor = Monitor()
+    return state.monitor
 
 
 def configure(limit_s: float | None, groups: Any = (None,)) -> None:
     """Set the no-progress limit in seconds of the collectives on ``groups`` (process groups; ``None``: the
     default group), ``None`` meaning never report (wait as the process group does). ``shard()`` sets its root's
     ``desync_timeout`` for the root's groups, so two roots on different groups keep their own limits (on one
-    group the last ``shard()`` call's value holds). ``FLATSHARD_DESYNC_TIMEOUT`` overrides every limit and is
-    checked like the argument."""
+    group the last ``shard()`` call's value holds); the limit lives in the group's state and goes with it.
+    ``FLATSHARD_DESYNC_TIMEOUT`` overrides every limit and is checked like the argument."""
     value = env_seconds(ENV, limit_s)
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # no collective to watch
     for group in groups:
-        pg = group
-        if pg is None and dist.is_available() and dist.is_initialized():
-            pg = dist.group.WORLD
-        _STATE.limits[group_name(pg) if pg is not None else ""] = value
+        state = state_of(group)
+        state.desync_limit, state.limit_set = value, True
 
 
 def limit() -> float | None:
-    """The smallest limit set in this process (``DEFAULT_LIMIT_S`` before any; ``None`` if every one is off):
-    the one for collectives on groups no root set, and what the heartbeat's pace follows."""
-    if not _STATE.limits:
+    """The smallest limit set on a live process group (``DEFAULT_LIMIT_S`` before any; ``None`` if every one is
+    off): the one for collectives on groups no root set, and what the heartbeat's pace follows."""
+    limits = [state.desync_limit for _, state in live() if state.limit_set]
+    if not limits:
         return env_seconds(ENV, DEFAULT_LIMIT_S)
-    values = [v for v in _STATE.limits.values() if v is not None]
+    values = [v for v in limits if v is not None]
     return min(values) if values else None
 
 
-@contextmanager
-def limits_restored() -> Iterator[None]:
-    """The limits :func:`configure` sets inside the block are forgotten after it: for a process group that lives
-    only as long as the block (a dry run on a fake group), whose name a later group may reuse."""
-    saved = dict(_STATE.limits)
-    try:
-        yield
-    finally:
-        _STATE.limits.clear()
-        _STATE.limits.update(saved)
-
-
-def limit_for(name: str) -> float | None:
-    """The limit of collectives on the process group named ``name`` (see :func:`configure`)."""
-    return _STATE.limits[name] if name in _STATE.limits else limit()
+def group_limit(state: GroupState | None) -> float | None:
+    """The limit of collectives on the group whose state is ``state`` (see :func:`configure`)."""
+    return state.desync_limit if state is not None and state.limit_set else limit()
 
 
 def verdict() -> str | None:
     """The last desync report this process adopted (its waits raised it), or ``None``."""
-    return _STATE.verdict
+    monitor = _monitor()
+    return monitor.verdict if monitor is not None else None
 
 
 def note_issued(label: Label) -> None:
     """Record a flat collective this rank issued (its signature is the evidence a verdict compares)."""
-    if label.seq > 0:
-        kept = _STATE.issued.setdefault(label.name, deque(maxlen=_ISSUED_KEPT))
+    state = label.state
+    if label.seq > 0 and state is not None:
+        if state.issued is None:
+            state.issued = deque(maxlen=_ISSUED_KEPT)
+        kept = state.issued
         family = _FAMILY.get(label.op or label.kind, label.op or label.kind)
         kept.append([label.seq, *label.signature(), label.c10d_seq, family])
 
@@ -298,27 +307,34 @@ def blocked(label: Label | None, since: float) -> None:
     """Called by a waiter whose collective is still pending: record the main thread's wait, and raise
     :class:`DesyncError` if a verdict about this wait is in. Another thread (the shared-memory transport's
     worker) records nothing and raises if a verdict came in while it waited."""
-    if threading.current_thread() is not threading.main_thread():
-        at = _STATE.verdict_at
-        if _STATE.verdict is not None and at is not None and at >= since:
-            raise DesyncError(_STATE.verdict)
+    monitor = _monitor()
+    if monitor is None:
         return
-    wait = _STATE.wait
+    if threading.current_thread() is not threading.main_thread():
+        at = monitor.verdict_at
+        if monitor.verdict is not None and at is not None and at >= since:
+            raise DesyncError(monitor.verdict)
+        return
+    wait = monitor.wait
     if label is not None and (wait is None or wait.since != since or wait.label != label):
-        wait = _STATE.wait = _Wait(label, since, _next_wait())
-    if wait is not None and _STATE.verdict is not None and _STATE.verdict_wait == wait.ident:
-        raise DesyncError(_STATE.verdict)
-
-
-def _next_wait() -> str:
-    _STATE.waits += 1
-    return f"{_NONCE}:{_STATE.waits}"
+        wait = monitor.wait = _Wait(label, since, monitor.next_wait())
+    if wait is not None and monitor.verdict is not None and monitor.verdict_wait == wait.ident:
+        raise DesyncError(monitor.verdict)
 
 
 def unblocked() -> None:
     """The calling thread's wait completed."""
     if threading.current_thread() is threading.main_thread():
-        _STATE.wait = None
+        monitor = _monitor()
+        if monitor is not None:
+            monitor.wait = None
+
+
+def current_wait() -> Label | None:
+    """The labelled collective the main thread waits in now, as the heartbeat publishes it (``None``: none)."""
+    monitor = _monitor()
+    wait = monitor.wait if monitor is not None else None
+    return wait.label if wait is not None else None
 
 
 def wait_collective(work: Any, what: str, group: Any = None, op: str = "") -> None:
@@ -329,11 +345,11 @@ def wait_collective(work: Any, what: str, group: Any = None, op: str = "") -> No
     cannot be waited on in slices, so its position is published and the wait blocks (a NCCL barrier's does).
     """
     pg = group if group is not None else dist.group.WORLD
-    if limit_for(group_name(pg)) is None:
+    state = state_of(pg)
+    if group_limit(state) is None:
         work.wait()
         return
-    ranks = tuple(dist.get_process_group_ranks(pg))
-    label = Label(what, 0, "", ranks, -1, None, group_name(pg), op, c10d_seq(pg))
+    label = Label(what, 0, "", state.ranks, -1, None, state.name, op, c10d_seq(pg), state)
     if "nccl" in str(dist.get_backend(group)):
         wait_whole(work, label)  # a NCCL barrier blocks the CPU in wait(): say where first
         return
@@ -341,17 +357,11 @@ def wait_collective(work: Any, what: str, group: Any = None, op: str = "") -> No
 
 
 def group_name(group: Any) -> str:
-    """A process group's name (the same on every rank), or "" where torch does not say; the group's
-    collectives are counted in the heartbeat from then on."""
+    """A process group's name (the same on every rank), or "" where torch does not say."""
     try:
-        name = str(group.group_name)
+        return str(group.group_name)
     except (AttributeError, RuntimeError):
         return ""
-    try:
-        _GROUPS.setdefault(name, group)
-    except TypeError:  # not weakly referable
-        pass
-    return name
 
 
 def c10d_seq(group: Any) -> int:
@@ -403,12 +413,13 @@ def wait_whole(work: Any, label: Label | None) -> None:
 def adopt_verdict() -> None:
     """Read the store's verdict now, and adopt it if it is about the main thread's wait: a peer that raised it
     may have exited before this rank's heartbeat read it, and its exit must not hide the desync."""
-    wait = _STATE.wait
-    if limit() is None or wait is None or not dist.is_initialized():
+    monitor = _monitor()
+    wait = monitor.wait if monitor is not None else None
+    if monitor is None or wait is None or limit() is None:
         return
     found = _stored_verdict()
     if found is not None:
-        _adopt(found, dist.get_rank(), {"wait": wait.ident, "state": "flat"})
+        _adopt(monitor, found, dist.get_rank(), {"wait": wait.ident, "state": "flat"})
 
 
 def _stored_verdict() -> dict[str, Any] | None:
@@ -428,9 +439,10 @@ def _raise_verdict(err: BaseException, since: float) -> None:
     """A collective's error after a verdict adopted during this wait is the desync's doing; so is one after a
     peer left, if the store holds a verdict about any wait of this process (see :func:`raise_verdict_on_exit`)."""
     adopt_verdict()
-    at = _STATE.verdict_at
-    if _STATE.verdict is not None and at is not None and at >= since:
-        raise DesyncError(_STATE.verdict) from err
+    monitor = _monitor()
+    at = monitor.verdict_at if monitor is not None else None
+    if monitor is not None and monitor.verdict is not None and at is not None and at >= since:
+        raise DesyncError(monitor.verdict) from err
     raise_verdict_on_exit(err)
 
 
@@ -443,7 +455,8 @@ def raise_verdict_on_exit(err: BaseException | None = None) -> None:
     earlier run on the same store never matches): under load a rank may publish its next wait, or learn of
     the exit from a worker thread before the main thread waits, after the verdict named the previous one.
     """
-    if limit() is None or not dist.is_initialized():
+    monitor = _monitor()
+    if monitor is None or limit() is None:
         return
     found = _stored_verdict()
     if found is None:
@@ -451,35 +464,40 @@ def raise_verdict_on_exit(err: BaseException | None = None) -> None:
     about = found.get("waits", {}).get(str(dist.get_rank()))
     if not isinstance(about, str) or not about.startswith(f"{_NONCE}:"):
         return
-    if _STATE.verdict_wait != about:
-        _STATE.verdict, _STATE.verdict_wait, _STATE.verdict_at = found["report"], about, time.monotonic()
+    if monitor.verdict_wait != about:
+        monitor.verdict, monitor.verdict_wait, monitor.verdict_at = found["report"], about, time.monotonic()
     if err is None:
         raise DesyncError(found["report"])
     raise DesyncError(found["report"]) from err
 
 
 def start() -> None:
-    """Start the heartbeat thread (idempotent; nothing without a multi-rank default group or a limit)."""
-    if limit() is None or not (dist.is_available() and dist.is_initialized()):
+    """Start the default group's heartbeat thread (idempotent; nothing without a multi-rank default group or a
+    limit). It stops with its group's state (see [Note: state per process group])."""
+    monitor = _monitor()
+    if monitor is None or limit() is None or dist.get_world_size() < 2:
         return
-    if dist.get_world_size() < 2 or (_STATE.thread is not None and _STATE.thread.is_alive()):
+    if monitor.thread is not None and monitor.thread.is_alive():
         return
-    _STATE.stop.clear()
-    _STATE.thread = threading.Thread(target=_heartbeat, name="flatshard-heartbeat", daemon=True)
-    _STATE.thread.start()
+    monitor.stopped.clear()
+    monitor.thread = threading.Thread(
+        target=_heartbeat, args=(monitor,), name="flatshard-heartbeat", daemon=True
+    )
+    monitor.thread.start()
 
 
 def _stop() -> None:
     """At exit: stop beating and tell the peers this process is gone (positive evidence for them)."""
-    _STATE.stop.set()
-    if _STATE.thread is not None:
-        _STATE.thread.join(timeout=1.0)
-        try:
-            if dist.is_initialized():
-                store = dist.distributed_c10d._get_default_store()
-                store.set(f"{_PREFIX}{dist.get_rank()}", json.dumps({"state": "exited", "beat": -1}))
-        except Exception:  # the store may be gone already
-            pass
+    state = world_state()
+    monitor = state.monitor if state is not None else None
+    if monitor is None or monitor.thread is None:
+        return
+    monitor.stop()
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{_PREFIX}{dist.get_rank()}", json.dumps({"state": "exited", "beat": -1}))
+    except Exception:  # the store may be gone already
+        pass
 
 
 atexit.register(_stop)
@@ -505,14 +523,16 @@ class _Foreign:
     ident: str
 
 
-def _heartbeat() -> None:
+def _heartbeat(monitor: Monitor) -> None:
     main = threading.main_thread().ident
     beat = 0
     foreign: _Foreign | None = None
     peers: dict[int, _Peer] = {}
     me = ProcessId.mine().to_json()
-    while not _STATE.stop.wait(_beat()):
-        if limit() is None or not dist.is_initialized():
+    while not monitor.stopped.wait(_beat()):
+        if _monitor() is not monitor:
+            return  # its default group is gone: a new one has a monitor of its own
+        if limit() is None:
             continue
         try:
             store = dist.distributed_c10d._get_default_store()
@@ -520,29 +540,32 @@ def _heartbeat() -> None:
         except (RuntimeError, ValueError, AttributeError):
             continue
         beat += 1
-        mine, foreign = _own_state(main, foreign, time.monotonic())
+        states = live()  # a later group of a name overrides an earlier one's entries
+        mine, foreign = _own_state(monitor, main, foreign, time.monotonic())
         mine.update(
             beat=beat,
             interval=_beat(),
             proc=me,
-            c10d={name: c10d_seq(pg) for name, pg in list(_GROUPS.items())},
-            issued={name: list(kept) for name, kept in list(_STATE.issued.items())},
+            c10d={**{state.name: c10d_seq(pg) for pg, state in states}, **mine.get("c10d", {})},
+            issued={state.name: list(state.issued) for _, state in states if state.issued},
         )
         try:
             store.set(f"{_PREFIX}{rank}", json.dumps(mine))
             if store.check([_VERDICT_KEY]):
-                _adopt(json.loads(store.get(_VERDICT_KEY).decode()), rank, mine)
+                _adopt(monitor, json.loads(store.get(_VERDICT_KEY).decode()), rank, mine)
             own = mine["limit"]
-            if _STATE.verdict_wait != mine.get("wait") and own is not None and mine["blocked_s"] >= own / 2:
-                _evaluate(store, rank, world, mine, peers)
+            if monitor.verdict_wait != mine.get("wait") and own is not None and mine["blocked_s"] >= own / 2:
+                _evaluate(monitor, store, rank, world, mine, peers)
         except Exception:  # a store going away at shutdown, a peer gone: never crash the process
             continue
         finally:
             del store
 
 
-def _own_state(main: int | None, foreign: _Foreign | None, now: float) -> tuple[dict[str, Any], Any]:
-    wait = _STATE.wait
+def _own_state(
+    monitor: Monitor, main: int | None, foreign: _Foreign | None, now: float
+) -> tuple[dict[str, Any], Any]:
+    wait = monitor.wait
     if wait is not None:
         label = wait.label
         return {
@@ -556,7 +579,7 @@ def _own_state(main: int | None, foreign: _Foreign | None, now: float) -> tuple[
             "c10d_seq": label.c10d_seq,
             "wait": wait.ident,
             "blocked_s": now - wait.since,
-            "limit": limit_for(label.name),
+            "limit": group_limit(label.state),
         }, None
     frame = sys._current_frames().get(main) if main is not None else None
     call = _c10d_wait(frame)
@@ -570,12 +593,13 @@ def _own_state(main: int | None, foreign: _Foreign | None, now: float) -> tuple[
     collective, where, pg = call
     ident = (id(collective), collective.f_lasti)
     if foreign is None or foreign.frame != ident:
-        foreign = _Foreign(ident, now, _next_wait())
+        foreign = _Foreign(ident, now, monitor.next_wait())
     op = _FAMILY.get(collective.f_code.co_name, collective.f_code.co_name)
     state = {"state": "collective", "where": where, "op": op, "wait": foreign.ident, "limit": limit()}
     if pg is not None:  # a blocking collective is the last one issued on its group: its number is the count
-        name = group_name(pg)
-        state.update(group=_ranks(pg), name=name, c10d_seq=c10d_seq(pg), limit=limit_for(name))
+        name, seq = group_name(pg), c10d_seq(pg)
+        limit_s = group_limit(_known_state(pg))
+        state.update(group=_ranks(pg), name=name, c10d_seq=seq, limit=limit_s, c10d={name: seq})
     return {**state, "blocked_s": now - foreign.since}, foreign
 
 
@@ -612,6 +636,11 @@ def _group_of(frame: Any) -> Any:
         return None
 
 
+def _known_state(group: Any) -> GroupState | None:
+    """The state of a group the engine has used (never made here: the heartbeat only reads)."""
+    return next((state for pg, state in live() if pg is group), None)
+
+
 def _ranks(group: Any) -> list[int] | None:
     try:
         return list(dist.get_process_group_ranks(group))
@@ -619,17 +648,19 @@ def _ranks(group: Any) -> list[int] | None:
         return None
 
 
-def _adopt(found: dict[str, Any], rank: int, mine: dict[str, Any]) -> None:
+def _adopt(monitor: Monitor, found: dict[str, Any], rank: int, mine: dict[str, Any]) -> None:
     """Take in a verdict if it is about the wait this rank is in now (a stale one never fires)."""
     about = found.get("waits", {}).get(str(rank))
-    if about is None or about != mine.get("wait") or _STATE.verdict_wait == about:
+    if about is None or about != mine.get("wait") or monitor.verdict_wait == about:
         return
-    _STATE.verdict, _STATE.verdict_wait, _STATE.verdict_at = found["report"], about, time.monotonic()
+    monitor.verdict, monitor.verdict_wait, monitor.verdict_at = found["report"], about, time.monotonic()
     if mine["state"] == "collective":  # nothing here will raise it: say it where the user looks
         log.error("%s", found["report"])
 
 
-def _evaluate(store: Any, rank: int, world: int, mine: dict[str, Any], peers: dict[int, _Peer]) -> None:
+def _evaluate(
+    monitor: Monitor, store: Any, rank: int, world: int, mine: dict[str, Any], peers: dict[int, _Peer]
+) -> None:
     keys = [f"{_PREFIX}{r}" for r in range(world)]
     if not store.check(keys):
         return  # a rank has not published: too early to tell, or detection is off there
@@ -662,7 +693,7 @@ def _evaluate(store: Any, rank: int, world: int, mine: dict[str, Any], peers: di
     report = _report(states, exited)
     waits = {str(r): s.get("wait") for r, s in enumerate(states) if r not in exited}
     store.set(_VERDICT_KEY, json.dumps({"waits": waits, "report": report}))
-    _adopt({"waits": waits, "report": report}, rank, mine)
+    _adopt(monitor, {"waits": waits, "report": report}, rank, mine)
 
 
 def _gone(proc: Any) -> bool:
