@@ -43,6 +43,7 @@ from flatshard.engine.transport.pieces import FlatPieces
 __all__ = [
     "NATIVE_DTYPES",
     "CollectiveTiming",
+    "CommStats",
     "InFlight",
     "Pending",
     "all_gather_flat",
@@ -134,9 +135,13 @@ def check_trainable_dtype(name: str, param: torch.Tensor) -> None:
     )
 
 
-comm_stats: Counter[str] = Counter()
-"""Bytes this process sent into each collective kind (``"all_gather"``, ``"reduce_scatter"``,
-``"all_reduce"``); reset with ``comm_stats.clear()``."""
+class CommStats(Counter[str]):
+    """Bytes this process sent into each collective kind (``"all_gather"``, ``"reduce_scatter"``,
+    ``"all_reduce"``), and the :func:`timeline` being recorded (``recording``; ``None``: none)."""
+
+    def __init__(self, *args: Any, **kwargs: int) -> None:
+        super().__init__(*args, **kwargs)
+        self.recording: list[CollectiveTiming] | None = None
 
 
 def global_rank() -> int:
@@ -172,7 +177,11 @@ class CollectiveTiming:
     waited: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
-_timeline: list[CollectiveTiming] | None = None
+# The process's communication record: public (``flatshard.comm_stats``), so it is one object for the process,
+# whatever roots and groups come and go; it holds byte counts and timings only, never tensors or groups.
+comm_stats = CommStats()
+"""Bytes this process sent into each collective kind (``"all_gather"``, ``"reduce_scatter"``,
+``"all_reduce"``); reset with ``comm_stats.clear()``."""
 
 
 @contextlib.contextmanager
@@ -182,13 +191,12 @@ def timeline() -> Iterator[list[CollectiveTiming]]:
     What ``benchmarks/overlap.py`` uses to show how much communication overlaps compute on CPU. Off
     (and free) outside the block.
     """
-    global _timeline
     records: list[CollectiveTiming] = []
-    previous, _timeline = _timeline, records
+    previous, comm_stats.recording = comm_stats.recording, records
     try:
         yield records
     finally:
-        _timeline = previous
+        comm_stats.recording = previous
 
 
 class Pending(NamedTuple):
@@ -270,9 +278,10 @@ def _issued(
         watchdog.note_issued(label)  # see [Note: finding a desync]
     comm_stats[kind] += nbytes
     timing = None
-    if _timeline is not None:
+    recording = comm_stats.recording
+    if recording is not None:
         timing = CollectiveTiming(kind, nbytes, time.perf_counter_ns())
-        _timeline.append(timing)
+        recording.append(timing)
     pending = Pending(output, work, timing, label)
     if not async_op and work is not None:
         pending.wait()
