@@ -61,7 +61,7 @@ def _run(rank: int, world: int) -> None:
         comm.all_reduce_flat(torch.ones(4), groups["shm"], async_op=False)
     assert len(inner) == 1 and len(outer) == 1 and outer[0].waited  # synchronous calls are timed too
     comm.all_reduce_flat(torch.ones(4), groups["shm"]).wait()
-    assert len(outer) == 1 and comm._timeline is None  # off outside the block
+    assert len(outer) == 1 and comm.comm_stats.recording is None  # off outside the block
 
 
 def test_timeline_records_every_collective_on_both_transports() -> None:
