@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from flatshard.engine.runtime import unit_states
-from flatshard.engine.step.whole_tensor import _cost
+from flatshard.engine.step.whole_plan import cost as _cost
 
 __all__ = ["UnitLayout", "gathered_buffers", "unit_layouts", "whole_tensor_owners"]
 

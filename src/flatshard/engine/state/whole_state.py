@@ -21,36 +21,28 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
-from weakref import WeakKeyDictionary
 
 import torch
 import torch.distributed as dist
 
-from flatshard.engine.step.whole_tensor import (
-    Entry,
-    WholeTensorPlan,
-    from_owners,
-    is_whole_tensor_optimizer,
-    plan_of,
-    restore_pieces,
-    to_owners,
-)
+from flatshard.engine.step.whole_plan import WholeState, WholeTensorPlan, existing_plan, plan_for
+from flatshard.engine.step.whole_tensor import Entry, from_owners, is_whole_tensor_optimizer, to_owners
 from flatshard.engine.transport import watchdog
 
 __all__ = ["after_load", "note_loaded_whole", "states_as_pieces", "whole_state_keys"]
 
 
-# while a save reads the state (states_as_pieces), and from a load until after_load: see whole_state_keys
-_WHOLE_STATE: WeakKeyDictionary[torch.optim.Optimizer, set[tuple[int, str]]] = WeakKeyDictionary()
-_LOADED_WHOLE: WeakKeyDictionary[torch.optim.Optimizer, set[tuple[int, str]]] = WeakKeyDictionary()
-
-
-def _state_plan(optimizer: torch.optim.Optimizer) -> WholeTensorPlan | None:
+def _state_plan(optimizer: torch.optim.Optimizer, doing: str) -> WholeTensorPlan | None:
+    """The optimizer's plan with every parameter a piece (after a step that raised, put back), or ``None`` when the
+    optimizer needs no whole tensors or has no sharded parameters."""
     if not is_whole_tensor_optimizer(optimizer):
         return None
-    plan = plan_of(optimizer)
-    if plan is not None and plan.active:
-        restore_pieces(plan)
+    plan = plan_for(optimizer)
+    if not plan.groups:
+        return None
+    plan.recover()
+    for q in plan.params():
+        q.check_state(WholeState.PIECE, doing=doing)
     return plan
 
 
@@ -58,7 +50,7 @@ def _state_plan(optimizer: torch.optim.Optimizer) -> WholeTensorPlan | None:
 def states_as_pieces(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """Within the block the optimizer's state of its sharded parameters is in pieces on every rank (collective;
     see [Note: saving whole-tensor optimizer state]). Tensors read inside stay valid after it."""
-    plan = _state_plan(optimizer)
+    plan = _state_plan(optimizer, "reading the optimizer state for a save")
     if plan is None:
         yield
         return
@@ -67,7 +59,7 @@ def states_as_pieces(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     for g in plan.groups:
         meta: dict[int, dict[str, Any]] = {}
         for n, q in enumerate(g.params):
-            state = optimizer.state.get(q.param) if q.owner == g.rank else None
+            state = optimizer.state.get(q.param) if q.owned else None
             if not state:
                 continue
             entry: dict[str, Any] = {}
@@ -96,9 +88,7 @@ def states_as_pieces(optimizer: torch.optim.Optimizer) -> Iterator[None]:
             entries: list[Entry] = [
                 (
                     g.params[n],
-                    optimizer.state[g.params[n].param][key].reshape(-1)
-                    if g.params[n].owner == g.rank
-                    else None,
+                    optimizer.state[g.params[n].param][key].reshape(-1) if g.params[n].owned else None,
                 )
                 for n, key in keyed
             ]
@@ -109,7 +99,7 @@ def states_as_pieces(optimizer: torch.optim.Optimizer) -> Iterator[None]:
             for key, kind in sorted(e.items()):
                 if kind[0] != "whole":
                     continue
-                mine = optimizer.state[q.param][key] if q.owner == g.rank else None
+                mine = optimizer.state[q.param][key] if q.owned else None
                 box = (
                     mine.to(g.device)
                     if mine is not None
@@ -125,15 +115,15 @@ def states_as_pieces(optimizer: torch.optim.Optimizer) -> Iterator[None]:
                 whole_keys.add((id(q.param), key))
         for n, e in everyone.items():
             q = g.params[n]
-            stashed[id(q.param)] = (q.param, optimizer.state.get(q.param) if q.owner == g.rank else None)
+            stashed[id(q.param)] = (q.param, optimizer.state.get(q.param) if q.owned else None)
             optimizer.state[q.param] = {
                 key: pieces[(n, key)] if kind[0] in ("piece", "whole") else kind[1] for key, kind in e.items()
             }
-    _WHOLE_STATE[optimizer] = whole_keys
+    plan.saving_whole = whole_keys
     try:
         yield
     finally:
-        _WHOLE_STATE.pop(optimizer, None)
+        plan.saving_whole = set()
         for p, whole in stashed.values():
             if whole is not None:
                 optimizer.state[p] = whole
@@ -144,21 +134,26 @@ def states_as_pieces(optimizer: torch.optim.Optimizer) -> Iterator[None]:
 def whole_state_keys(optimizer: torch.optim.Optimizer) -> set[tuple[int, str]]:
     """Inside :func:`states_as_pieces`: ``(id(parameter), key)`` of the state tensors of sharded parameters that
     are whole (not shaped like their parameter, so not cut into pieces) and replicated on every rank."""
-    return _WHOLE_STATE.get(optimizer, set())
+    plan = existing_plan(optimizer)
+    return set(plan.saving_whole) if plan is not None else set()
 
 
 def note_loaded_whole(optimizer: torch.optim.Optimizer, keys: set[tuple[int, str]]) -> None:
     """A loader's record, for the next :func:`after_load`: ``(id(parameter), key)`` of the state tensors of sharded
     parameters it put in whole (not cut like their parameter)."""
-    _LOADED_WHOLE[optimizer] = keys
+    if is_whole_tensor_optimizer(optimizer):
+        plan_for(optimizer).loaded_whole = set(keys)
 
 
 def after_load(optimizer: torch.optim.Optimizer) -> None:
     """After a load put state in pieces into the optimizer on every rank: make it whole on the owners again
     (collective; see [Note: saving whole-tensor optimizer state]). State the loader put in whole (see
     :func:`note_loaded_whole`) stays whole on the owner and is dropped elsewhere."""
-    loaded_whole = _LOADED_WHOLE.pop(optimizer, set())
-    plan = _state_plan(optimizer)
+    kept = existing_plan(optimizer)
+    loaded_whole = kept.loaded_whole if kept is not None else set()
+    if kept is not None:
+        kept.loaded_whole = set()
+    plan = _state_plan(optimizer, "making loaded optimizer state whole on the owners")
     if plan is None:
         return
     for g in plan.groups:
@@ -187,7 +182,7 @@ def after_load(optimizer: torch.optim.Optimizer) -> None:
             for i, whole in to_owners(g, entries, dtype, "loaded optimizer state to its owners").items():
                 wholes[keyed[i]] = whole
         for n, q in loaded:
-            if q.owner != g.rank:
+            if not q.owned:
                 del optimizer.state[q.param]
                 continue
             state = optimizer.state[q.param]

@@ -64,30 +64,32 @@ import threading
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
-from weakref import WeakKeyDictionary
 
 import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
-from flatshard.engine.handle import FlatParamHandle, handle_of_param
+from flatshard.engine.handle import handle_of_param
+from flatshard.engine.step.whole_plan import (
+    WholeGroup,
+    WholeParam,
+    WholeState,
+    WholeTensorPlan,
+    existing_plan,
+    plan_for,
+)
 from flatshard.engine.transport import watchdog
 
 __all__ = [
     "Entry",
-    "WholeGroup",
-    "WholeParam",
-    "WholeTensorPlan",
     "explaining_step_errors",
     "from_owners",
     "install_hooks",
     "is_whole_tensor_optimizer",
     "last_exchange",
-    "plan_of",
     "register_whole_tensor_optimizer",
-    "restore_pieces",
     "to_owners",
     "whole_tensor_classes",
 ]
@@ -97,14 +99,43 @@ log = logging.getLogger("flatshard")
 _BUILTIN = tuple(
     c for c in (getattr(torch.optim, "Muon", None), getattr(torch.optim, "Adafactor", None)) if c
 )
-_registered: list[type] = []
-_lock = threading.Lock()
-_hooks_installed = False
+
+
+class _Registry:
+    """The optimizer classes declared to need whole tensors, and torch's global optimizer step hooks that handle
+    them (installed once: the handles say so)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._classes: list[type] = []
+        self._hooks: tuple[RemovableHandle, RemovableHandle] | None = None
+
+    def classes(self) -> tuple[type, ...]:
+        return _BUILTIN + tuple(self._classes)
+
+    def add(self, cls: type) -> None:
+        with self._lock:
+            if cls not in self._classes:
+                self._classes.append(cls)
+
+    def install_hooks(self) -> None:
+        with self._lock:
+            if self._hooks is None:
+                self._hooks = (
+                    register_optimizer_step_pre_hook(_pre_step),
+                    register_optimizer_step_post_hook(_post_step),
+                )
+
+
+# The one piece of process-wide state here, and why: a class is declared once for the whole process (a decorator
+# runs at import), about no model or optimizer in particular, and the hooks it needs are torch's process-wide
+# optimizer step hooks. Everything per optimizer lives on the optimizer (whole_plan.WholeTensorPlan).
+_REGISTRY = _Registry()
 
 
 def whole_tensor_classes() -> tuple[type, ...]:
     """The optimizer classes handled as needing whole tensors: torch's and the registered ones."""
-    return _BUILTIN + tuple(_registered)
+    return _REGISTRY.classes()
 
 
 def register_whole_tensor_optimizer(cls: type) -> type:
@@ -117,10 +148,8 @@ def register_whole_tensor_optimizer(cls: type) -> type:
             f"register_whole_tensor_optimizer takes an optimizer class (a torch.optim.Optimizer subclass), got "
             f"{cls!r}."
         )
-    with _lock:
-        if cls not in _registered:
-            _registered.append(cls)
-    install_hooks()
+    _REGISTRY.add(cls)
+    _REGISTRY.install_hooks()
     return cls
 
 
@@ -128,92 +157,9 @@ def is_whole_tensor_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, whole_tensor_classes())
 
 
-@dataclass
-class WholeParam:
-    """One sharded parameter of a whole-tensor optimizer."""
-
-    param: torch.nn.Parameter
-    handle: FlatParamHandle
-    index: int
-    owner: int  # rank in the shard group
-    shape: torch.Size
-    counts: list[int]  # elements of this parameter in each rank's shard, by group rank
-    starts: list[int]  # where each rank's elements begin in the flattened parameter
-    whole: torch.Tensor | None = None  # on the owner: the whole value its last step left (the pieces' source)
-    mark: tuple[int, int, int, int] | None = None  # this rank's piece as the last step left it (see _marks)
-
-
-@dataclass
-class WholeGroup:
-    """The parameters of one shard group (and device and dtype): they travel in one all-to-all."""
-
-    group: Any
-    world: int
-    rank: int
-    device: torch.device
-    dtype: torch.dtype
-    params: list[WholeParam] = field(default_factory=list)
-
-
-@dataclass
-class WholeTensorPlan:
-    groups: list[WholeGroup]
-    stashed: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = field(default_factory=list)
-    active: bool = False
-    # elements this rank sent in the exchanges of the last step: values and gradients to owners, pieces back
-    sent: dict[str, int] = field(default_factory=lambda: {"values": 0, "grads": 0, "back": 0})
-
-
-# per optimizer: the ids of its parameters and their handles when planned, and the plan (None: nothing sharded)
-_PLANS: WeakKeyDictionary[
-    torch.optim.Optimizer, tuple[tuple[tuple[int, int], ...], WholeTensorPlan | None]
-] = WeakKeyDictionary()
-
-
-def _cost(shape: torch.Size) -> int:
-    numel = int(shape.numel())
-    return numel * min(shape[-2:]) if len(shape) >= 2 else numel
-
-
-def plan_of(optimizer: torch.optim.Optimizer) -> WholeTensorPlan | None:
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    # the parameters and their units: a plan made before shard() (nothing sharded yet) is not kept after it
-    key = tuple((id(p), id(handle_of_param(p))) for p in params)
-    cached = _PLANS.get(optimizer)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    groups: dict[tuple[int, torch.device, torch.dtype], WholeGroup] = {}
-    for p in params:
-        handle = handle_of_param(p)
-        if handle is None or handle.shard_world == 1:  # not sharded: whole already
-            continue
-        i = handle.index_of(p)
-        g = groups.get((id(handle.shard_group), handle.device, handle.dtype))
-        if g is None:
-            g = groups[(id(handle.shard_group), handle.device, handle.dtype)] = WholeGroup(
-                handle.shard_group, handle.shard_world, handle.shard_rank, handle.device, handle.dtype
-            )
-        infos = [handle.layout.shard_infos(r)[i] for r in range(handle.shard_world)]
-        g.params.append(
-            WholeParam(
-                p,
-                handle,
-                i,
-                -1,
-                handle.layout.shapes[i],
-                [x.numel_in_shard for x in infos],
-                [x.offset_in_param for x in infos],
-            )
-        )
-    for g in groups.values():  # owners: the largest cost first, each to the least loaded rank
-        load = [0] * g.world
-        for item in sorted(g.params, key=lambda q: -_cost(q.shape)):
-            owner = min(range(g.world), key=lambda r: (load[r], r))
-            item.owner = owner
-            load[owner] += _cost(item.shape)
-    plan = WholeTensorPlan(list(groups.values())) if groups else None
-    _PLANS[optimizer] = (key, plan)
-    return plan
+def install_hooks() -> None:
+    """Register the global optimizer step hooks once per process (``shard()`` does)."""
+    _REGISTRY.install_hooks()
 
 
 Entry = tuple[WholeParam, torch.Tensor | None]
@@ -356,87 +302,83 @@ def _stale(g: WholeGroup, live: list[WholeParam]) -> list[bool]:
 
 def _gather_to_owners(plan: WholeTensorPlan) -> None:
     """Step 2 of [Note: whole-tensor optimizers]: gradients (and values where stale) to the owners, whole tensors
-    put in place."""
-    plan.stashed = []
+    put in place. On an error every parameter is a piece again."""
     plan.sent = {"values": 0, "grads": 0, "back": 0}
-    for g in plan.groups:
-        live = [q for q in g.params if q.param.grad is not None]
-        stale = _stale(g, live)
-        entries: list[Entry] = []
-        for q, needs_value in zip(live, stale, strict=True):
-            grad = q.param.grad
-            assert grad is not None
-            elsewhere = q.counts[g.rank] if q.owner != g.rank else 0
-            if needs_value:
-                entries.append((q, q.handle.piece(q.index).detach().reshape(-1)))
-                plan.sent["values"] += elsewhere
-            entries.append((q, grad.detach().reshape(-1)))
-            plan.sent["grads"] += elsewhere
-        wholes = to_owners(g, entries, g.dtype, "gradients to their owners (whole-tensor optimizer step)")
-        at = 0
-        for q, needs_value in zip(live, stale, strict=True):
-            plan.stashed.append((q.param, q.param.grad))
-            value_at, grad_at = (at, at + 1) if needs_value else (None, at)
-            at = grad_at + 1
-            if q.owner == g.rank:
-                shard_device = q.param.device
-                if value_at is not None:
-                    q.whole = wholes[value_at].view(q.shape).to(shard_device)
-                assert q.whole is not None
-                q.param.data = q.whole
-                q.param.grad = wholes[grad_at].view(q.shape).to(shard_device, q.param.dtype)
-            else:
-                q.param.grad = None
-    plan.active = True
+    try:
+        for g in plan.groups:
+            _gather_group(plan, g)
+    except BaseException:
+        plan.recover()
+        raise
+
+
+def _gather_group(plan: WholeTensorPlan, g: WholeGroup) -> None:
+    live = [q for q in g.params if q.param.grad is not None]
+    for q in live:
+        q.check_state(WholeState.PIECE, doing="the exchange of gradients to their owners")
+    stale = _stale(g, live)
+    entries: list[Entry] = []
+    for q, needs_value in zip(live, stale, strict=True):
+        elsewhere = q.counts[g.rank] if not q.owned else 0
+        if needs_value:
+            entries.append((q, q.piece().detach().reshape(-1)))
+            plan.sent["values"] += elsewhere
+        entries.append((q, q.param.grad.detach().reshape(-1) if q.param.grad is not None else None))
+        plan.sent["grads"] += elsewhere
+    wholes = to_owners(g, entries, g.dtype, "gradients to their owners (whole-tensor optimizer step)")
+    at = 0
+    for q, needs_value in zip(live, stale, strict=True):
+        value_at, grad_at = (at, at + 1) if needs_value else (None, at)
+        at = grad_at + 1
+        q.grad_piece = q.param.grad
+        if not q.owned:
+            q.move_to(WholeState.SKIPPED_ON_NON_OWNER, "the step's exchange to the owners")
+            q.param.grad = None
+            continue
+        if value_at is not None:
+            q.whole = wholes[value_at].view(q.shape).to(q.param.device)
+        if q.whole is None:  # the flags said the owner's copy was current: it cannot be missing
+            raise RuntimeError(
+                f"flatshard: the owner (rank {g.rank}) of whole-tensor parameter {q.name!r} holds no whole value "
+                "and none was sent. HINT: this is a bug in flatshard; please report it."
+            )
+        q.move_to(WholeState.WHOLE_ON_OWNER, "the step's exchange to the owners")
+        q.param.data = q.whole
+        q.param.grad = wholes[grad_at].view(q.shape).to(q.param.device, q.param.dtype)
 
 
 def _scatter_from_owners(plan: WholeTensorPlan) -> None:
     """Step 3 of [Note: whole-tensor optimizers]: each rank's pieces of the updated parameters back to it."""
-    stashed = {id(p): grad for p, grad in plan.stashed}
     for g in plan.groups:
-        live = [q for q in g.params if id(q.param) in stashed]
-        entries: list[Entry] = [
-            (q, q.param.detach().reshape(-1) if q.owner == g.rank else None) for q in live
-        ]
+        stepped = [q for q in g.params if q.state is not WholeState.PIECE]
+        for q in stepped:
+            q.check_state(
+                WholeState.WHOLE_ON_OWNER if q.owned else WholeState.SKIPPED_ON_NON_OWNER,
+                doing="the exchange of updated pieces back from their owners",
+            )
+        entries: list[Entry] = [(q, q.param.detach().reshape(-1) if q.owned else None) for q in stepped]
         plan.sent["back"] += sum(
-            q.counts[d] for q in live if q.owner == g.rank for d in range(g.world) if d != g.rank
+            q.counts[d] for q in stepped if q.owned for d in range(g.world) if d != g.rank
         )
         for k, piece in from_owners(
             g, entries, g.dtype, "updated pieces from their owners (whole-tensor optimizer step)"
         ).items():
-            live[k].handle.piece(live[k].index).detach().reshape(-1).copy_(piece)
-        for q in live:
-            q.param.data = q.handle.piece(q.index)
-            q.param.grad = stashed[id(q.param)]
-        for q, mark in zip(live, _marks(live), strict=True):
+            stepped[k].piece().detach().reshape(-1).copy_(piece)
+        for q in stepped:
+            q.param.data = q.piece()
+            q.param.grad, q.grad_piece = q.grad_piece, None
+            q.move_to(WholeState.PIECE, "the exchange of updated pieces back from their owners")
+        for q, mark in zip(stepped, _marks(stepped), strict=True):
             q.mark = mark
-    plan.stashed = []
-    plan.active = False
-
-
-def restore_pieces(plan: WholeTensorPlan) -> None:
-    """Pieces back in place after a step that raised (its post-step hook never ran); the shards are unchanged,
-    the owners' whole values are not to be trusted: the next step sends values again."""
-    for p, grad in plan.stashed:
-        handle = handle_of_param(p)
-        if handle is not None:
-            p.data = handle.piece(handle.index_of(p))
-            p.grad = grad
-    for g in plan.groups:
-        for q in g.params:
-            q.whole = None
-    plan.stashed = []
-    plan.active = False
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if not is_whole_tensor_optimizer(optimizer):
         return None
-    plan = plan_of(optimizer)
-    if plan is None:
+    plan = plan_for(optimizer)
+    if not plan.groups:
         return None
-    if plan.active:  # the last step raised between the two exchanges
-        restore_pieces(plan)
+    plan.recover()  # the last step raised between the two exchanges
     # torch passes the step's own arguments: ``args[0]`` is the optimizer, ``args[1]`` a positional closure
     closure: Callable[[], Any] | None = kwargs.get("closure", args[1] if len(args) > 1 else None)
     if closure is None:
@@ -454,9 +396,9 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: d
 
 
 def _post_step(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    cached = _PLANS.get(optimizer)
-    if cached is not None and cached[1] is not None and cached[1].active:
-        _scatter_from_owners(cached[1])
+    plan = existing_plan(optimizer)
+    if plan is not None and plan.in_step():
+        _scatter_from_owners(plan)
 
 
 @contextmanager
@@ -501,17 +443,5 @@ def _pieces_note(optimizer: torch.optim.Optimizer) -> str | None:
 def last_exchange(optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Elements this rank sent in the last step's exchanges of ``optimizer`` (zeros if it has none): ``values``
     and ``grads`` to the owners, ``back`` the updated pieces to the ranks holding them."""
-    cached = _PLANS.get(optimizer)
-    plan = cached[1] if cached is not None else None
+    plan = existing_plan(optimizer)
     return dict(plan.sent) if plan is not None else {"values": 0, "grads": 0, "back": 0}
-
-
-def install_hooks() -> None:
-    """Register the global optimizer step hooks once per process (``shard()`` does)."""
-    global _hooks_installed
-    with _lock:
-        if _hooks_installed:
-            return
-        register_optimizer_step_pre_hook(_pre_step)
-        register_optimizer_step_post_hook(_post_step)
-        _hooks_installed = True
