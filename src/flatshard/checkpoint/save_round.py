@@ -10,8 +10,8 @@ store every rank reached to join the group), never through the storage being wri
   :class:`~flatshard.engine.transport.processes.ProcessId` and rank 0's id for the save. Each rank starts its
   heartbeat before it, so past the opening every rank is known and beating. A rank that is already gone
   fails this collective (the process group's own error).
-- **Heartbeat.** While a save is open, one daemon thread per process adds 1 to
-  ``flatshard/save/alive/<rank>`` every ``HEARTBEAT_S`` seconds.
+- **Heartbeat.** While a save is open, a daemon thread of the save adds 1 to ``flatshard/save/alive/<rank>``
+  every ``HEARTBEAT_S`` seconds.
 - **Steps.** Where the ranks must agree before going on (before DCP's collectives, after the write, after the
   rename), each adds 1 to ``flatshard/save/<id>/<step>`` and waits until the count is the world size.
 - **Failures.** A rank that fails posts its error as ``<id>/error/<n>`` (``n`` counts failures, from
@@ -53,7 +53,7 @@ import torch.distributed.checkpoint as dcp
 
 from flatshard.checkpoint.errors import CheckpointError
 from flatshard.checkpoint.storage import Location, Remote
-from flatshard.engine import ProcessId
+from flatshard.engine import ProcessId, world_state
 
 __all__ = ["HEARTBEAT_S", "SILENCE_S", "Failure", "RoundFailed", "SaveRound", "gather_for_save"]
 
@@ -75,47 +75,42 @@ def _default_store() -> Any | None:
 
 # ---------------------------------------------------------------------------------------------- heartbeat
 class _Heartbeat:
-    """One daemon thread per process: ``flatshard/save/alive/<rank>`` grows by 1 every ``HEARTBEAT_S`` while a
-    save is open in this process (every rank opens a save together, so all beat while any waits in it)."""
+    """This rank's heartbeat in one save: ``flatshard/save/alive/<rank>`` grows by 1 every ``HEARTBEAT_S`` from
+    the opening until the save closes, on a daemon thread the save owns. Saves open at once (an asynchronous
+    one and the next) each beat the same key: their watchers only ask that it advances."""
 
-    lock = threading.Lock()
-    open_saves = 0
-    thread: threading.Thread | None = None
+    def __init__(self) -> None:
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
 
-    @classmethod
-    def start(cls) -> None:
-        cls.beat()  # at once: peers see it before the opening collective returns
-        with cls.lock:
-            cls.open_saves += 1
-            if cls.thread is None or not cls.thread.is_alive():
-                cls.thread = threading.Thread(target=cls.run, name="flatshard-save-heartbeat", daemon=True)
-                cls.thread.start()
+    def start(self) -> None:
+        _beat()  # at once: peers see it before the opening collective returns
+        self._thread = threading.Thread(target=self._run, name="flatshard-save-heartbeat", daemon=True)
+        self._thread.start()
 
-    @classmethod
-    def stop(cls) -> None:
-        with cls.lock:
-            cls.open_saves = max(0, cls.open_saves - 1)
+    def stop(self) -> None:
+        self._stopped.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=1.0)
 
-    @classmethod
-    def run(cls) -> None:
-        while True:
-            time.sleep(HEARTBEAT_S)
-            with cls.lock:
-                if cls.open_saves == 0:
-                    cls.thread = None
-                    return
-            cls.beat()
-
-    @staticmethod
-    def beat() -> None:
-        with contextlib.suppress(Exception):  # a store going away (its host process exited)
-            store = _default_store()
-            if store is not None:
-                store.add(f"{_ROOT}alive/{dist.get_rank()}", 1)
+    def _run(self) -> None:
+        while not self._stopped.wait(HEARTBEAT_S):
+            _beat()
 
 
-# Every rank's process at the last opening: for a full-state gather that fails before its save opens.
-_last_peers: list[ProcessId] = []
+def _beat() -> None:
+    with contextlib.suppress(Exception):  # a store going away (its host process exited)
+        store = _default_store()
+        if store is not None:
+            store.add(f"{_ROOT}alive/{dist.get_rank()}", 1)
+
+
+def _last_peers() -> list[ProcessId]:
+    """Every rank's process at the last opening on the default group (kept in its state, see [Note: state per
+    process group]): for a full-state gather that fails before its save opens."""
+    state = world_state()
+    return state.processes if state is not None else []
 
 
 # ---------------------------------------------------------------------------------------------- failures
@@ -236,7 +231,8 @@ def _collective_failure(what: str, location: Location | None) -> Iterator[None]:
             raise
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         (own,) = failures_of(err, rank)
-        peers = gone_peers(_last_peers, rank) if _last_peers else []
+        last = _last_peers()
+        peers = gone_peers(last, rank) if last else []
         failure = peers[0] if peers else own
         target = f" of {location}" if location is not None else ""
         who = "a rank" if failure.rank is None else f"rank {failure.rank}"
@@ -273,6 +269,7 @@ class SaveRound:
         self._beats: dict[int, tuple[int, float]] = {}  # rank -> (last heartbeat seen, when it changed)
         self._beats_read = 0.0
         self._own_payload: bytes | None = None  # without a process group
+        self._heartbeat = _Heartbeat()
         self.id = uuid.uuid4().hex[:12]
         self.peers = [ProcessId.mine()]
         refused: Exception | None = None
@@ -289,24 +286,25 @@ class SaveRound:
 
     def _open(self, refused: Exception | None) -> None:
         """The opening collective: every rank's process, rank 0's id for the save, and any rank's refusal."""
-        global _last_peers
         assert self.store is not None
-        _Heartbeat.start()
+        self._heartbeat.start()
         opened: list[Any] = [None] * self.world
         message = None if refused is None else f"{type(refused).__name__}: {refused}"
         try:
             with _collective_failure(f"The start of {self.what[0].lower()}{self.what[1:]}", self.location):
                 dist.all_gather_object(opened, (self.peers[0], self.id, message))  # a peer gone: named
         except BaseException:
-            _Heartbeat.stop()
+            self._heartbeat.stop()
             raise
         self.peers = [process for process, _, _ in opened]
         self.id = opened[0][1]
-        _last_peers = self.peers
+        state = world_state()
+        if state is not None:
+            state.processes = self.peers
         refusals = [(r, text) for r, (_, _, text) in enumerate(opened) if text is not None]
         if refusals:  # nothing was written: every rank raises, this rank's own refusal unchanged
             self._closed = True
-            _Heartbeat.stop()
+            self._heartbeat.stop()
             if refused is not None:
                 raise refused
             rank, text = refusals[0]
@@ -499,7 +497,7 @@ class SaveRound:
         except Exception:
             pass  # a store that is gone: nobody is left to tell
         finally:
-            _Heartbeat.stop()
+            self._heartbeat.stop()
 
     def __enter__(self) -> SaveRound:
         return self

@@ -88,6 +88,7 @@ from flatshard.engine.step.whole_tensor import (
     whole_tensor_classes,
 )
 from flatshard.engine.transport.comm import comm_stats, global_rank, timeline, uses_nccl
+from flatshard.engine.transport.groups import world_state
 from flatshard.engine.transport.processes import ProcessId
 from flatshard.engine.transport.watchdog import DesyncError, wait_collective
 from flatshard.engine.unfilled import UnfilledError
@@ -173,4 +174,5 @@ __all__ = [
     "wait_collective",
     "whole_tensor_classes",
     "whole_tensor_owners",
+    "world_state",
 ]

@@ -27,14 +27,9 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from flatshard.engine.transport.processes import ProcessId
-    from flatshard.engine.transport.shm import ShmGroup
-    from flatshard.engine.transport.watchdog import Monitor
 
 __all__ = ["GroupState", "live", "state_of", "world_state"]
 
@@ -51,15 +46,17 @@ class GroupState:
         self.issued: deque[list[Any]] | None = None  # the last ones' signatures (the watchdog's)
         self.desync_limit: float | None = None  # None: never reported (when limit_set)
         self.limit_set = False  # a shard() set desync_limit; otherwise the process-wide limit applies
-        self.channel: ShmGroup | None = None  # the shared-memory transport, once agreed (None: the backend)
+        # the shm.ShmGroup of the group once agreed (None: the backend); typed loosely, as below: the modules that
+        # fill these slots import this one
+        self.channel: Any | None = None
         self.channel_agreed = False
         self.native_reduce_scatter = True  # False once the backend refused reduce_scatter
         # the default group only
         self.hybrid: dict[
             int, tuple[list[ProcessGroup], list[ProcessGroup]]
         ] = {}  # shard group size -> groups
-        self.monitor: Monitor | None = None
-        self.processes: list[ProcessId] = []  # every rank's process at the last save's opening
+        self.monitor: Any | None = None  # the watchdog.Monitor (desync detector) of this process
+        self.processes: list[Any] = []  # every rank's processes.ProcessId at the last save's opening
         self._group = weakref.ref(pg)
         self.closed = False
 

@@ -244,7 +244,8 @@ def _monitor() -> Monitor | None:
         return None
     if state.monitor is None:
         state.monitor = Monitor()
-    return state.monitor
+    monitor: Monitor = state.monitor
+    return monitor
 
 
 def configure(limit_s: float | None, groups: Any = (None,)) -> None:
