@@ -213,6 +213,105 @@ def test_muon_state_saves_full_and_sharded_and_resumes_on_another_world_size(tmp
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=f"{kind}: {key}")
 
 
+# ------------------------------------------------------------------------------------- ranks that disagree
+def _disagree(rank: int, world: int, case: str) -> dict[str, Any]:
+    """Step 1 goes wrong on rank 1 only: a matrix's gradient set to None there ("live"), or (from the start) its
+    Muon built over the matrices in another order ("plan"). Every rank must raise the same clear error before any
+    all-to-all; with the gradients put right, training goes on as if step 1 never happened."""
+    torch.set_num_threads(1)
+    model = _model()
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    if case == "plan" and rank == 1:
+        matrices = matrices[::-1]
+    rest = [p for p in model.parameters() if p.ndim != 2]
+    optimizers = [torch.optim.Muon(matrices, lr=0.02, weight_decay=0.01), torch.optim.AdamW(rest, lr=1e-2)]
+    flatshard.shard(model, auto_wrap_policy={nn.Linear})
+    out: dict[str, Any] = {"error": None}
+    for step in range(3):
+        x, y = _batch(step, world)
+        rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        (model(x[rows]) - y[rows]).pow(2).mean().backward()
+        if case == "live" and step == 1 and rank == 1:
+            model[2].weight.grad = None
+        if case == "plan" or step == 1:
+            try:
+                optimizers[0].step()
+            except RuntimeError as err:
+                out["error"] = str(err)
+                out["pieces"] = [tuple(p.shape) for p in model.parameters()]
+                out["grads"] = [p.grad is not None for p in matrices]
+                for opt in optimizers:
+                    opt.zero_grad()
+                if case == "plan":
+                    return out
+                continue
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    out["state"] = flatshard.get_state_dict(model, None)[0]
+    return out
+
+
+def test_a_rank_with_other_live_parameters_raises_naming_them_and_training_goes_on() -> None:
+    ranks = spawn(_disagree, 2, "live")
+    for r in ranks:
+        error = r["error"]
+        assert error is not None and "Muon.step()" in error, error
+        assert "'2.weight' has a gradient on ranks [0], none on ranks [1]" in error, error
+        assert "nothing was exchanged" in error and "HINT" in error, error
+        assert all(len(shape) == 1 for shape in r["pieces"])  # the parameters are pieces, as before the step
+    assert ranks[0]["grads"] == [True, True, True, True] and ranks[1]["grads"] == [True, False, True, True]
+    # the reference: steps 0 and 2 (step 1 raised on every rank and its gradients were dropped)
+    model = _model()
+    optimizers = _optimizers(model)
+    for step in (0, 2):
+        x, y = _batch(step, 2)
+        (model(x) - y).pow(2).mean().backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(ranks[0]["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_a_rank_whose_optimizer_holds_other_parameters_raises_naming_them() -> None:
+    for r in spawn(_disagree, 2, "plan"):
+        error = r["error"]
+        assert (
+            error is not None
+            and "Its sharded parameters (name, shape, owner, elements on each rank) differ" in error
+        ), error
+        assert "the first difference is at #0: ('0.weight', (40, 16)" in error, error
+        assert "on rank 0, ('6.weight', (8, 24)" in error and "on rank 1" in error, error
+        assert "HINT: build the optimizer over the same parameters" in error, error
+
+
+def _bad_load(rank: int, world: int) -> dict[str, Any]:
+    """A loader put pieces of Muon's state in on every rank, one of them of the wrong size on rank 1 only."""
+    from flatshard.engine import finish_optimizer_load
+
+    torch.set_num_threads(1)
+    model = _model()
+    muon = _optimizers(model)[0]
+    flatshard.shard(model, auto_wrap_policy={nn.Linear})
+    for k, p in enumerate(muon.param_groups[0]["params"]):
+        wrong = rank == 1 and k == 2
+        muon.state[p] = {"momentum_buffer": torch.zeros(p.numel() + wrong)}
+    try:
+        finish_optimizer_load(muon)
+    except ValueError as err:
+        return {"error": str(err)}
+    return {"error": None}
+
+
+def test_a_load_that_went_wrong_on_one_rank_raises_on_every_rank() -> None:
+    ranks = spawn(_bad_load, 2)
+    said = "Muon's loaded state 'momentum_buffer' of sharded parameter '4.weight' (shape (24, 24)) has"
+    assert ranks[1]["error"] is not None and ranks[1]["error"].startswith(said), ranks[1]
+    assert ranks[0]["error"] == f"On global rank 1: {ranks[1]['error']}", ranks[0]
+    assert "HINT" in ranks[0]["error"]
+
+
 # ------------------------------------------------------------------------------------- other optimizers
 class RowNormSGD(torch.optim.Optimizer):
     """A toy optimizer that needs whole matrices: each row's step is the row of the gradient scaled to unit norm."""

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flatshard.engine.step.whole_exchange import Entry, agree_on, from_owners, to_owners
 from flatshard.engine.step.whole_plan import WholeState, WholeTensorPlan, existing_plan, plan_for
-from flatshard.engine.step.whole_tensor import Entry, from_owners, is_whole_tensor_optimizer, to_owners
+from flatshard.engine.step.whole_tensor import is_whole_tensor_optimizer
 from flatshard.engine.transport import watchdog
 
 __all__ = ["after_load", "note_loaded_whole", "states_as_pieces", "whole_state_keys"]
@@ -159,19 +160,23 @@ def after_load(optimizer: torch.optim.Optimizer) -> None:
     for g in plan.groups:
         loaded = [(n, q) for n, q in enumerate(g.params) if optimizer.state.get(q.param)]
         keys: dict[int, list[str]] = {}
+        problem = None
         for n, q in loaded:
             keys[n] = []
             for k, v in sorted(optimizer.state[q.param].items()):
                 if not isinstance(v, torch.Tensor) or v.dim() == 0 or (id(q.param), k) in loaded_whole:
                     continue
-                if v.numel() != q.counts[g.rank]:
-                    raise ValueError(
-                        f"{type(optimizer).__name__}'s loaded state {k!r} of a sharded parameter of shape "
-                        f"{tuple(q.shape)} has {v.numel()} elements on rank {g.rank} of its shard group, its piece "
+                if v.numel() != q.counts[g.rank] and problem is None:
+                    problem = (
+                        f"{plan.optimizer_name}'s loaded state {k!r} of sharded parameter {q.name!r} (shape "
+                        f"{tuple(q.shape)}) has {v.numel()} elements on rank {g.rank} of its shard group, its piece "
                         f"{q.counts[g.rank]}. HINT: load optimizer state through flatshard.load_checkpoint or "
                         "flatshard.set_state_dict, which cut it for this layout."
                     )
                 keys[n].append(k)
+        what = f"making {plan.optimizer_name}'s loaded state whole"
+        items = [(q.name, k, str(optimizer.state[q.param][k].dtype)) for n, q in loaded for k in keys[n]]
+        agree_on(g, items, what, problem)  # see [Note: the ranks agree before an all-to-all]
         dtypes = sorted({optimizer.state[q.param][k].dtype for n, q in loaded for k in keys[n]}, key=str)
         wholes: dict[tuple[int, str], torch.Tensor] = {}
         for dtype in dtypes:

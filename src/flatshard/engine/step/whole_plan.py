@@ -9,6 +9,7 @@ value and its :class:`WholeState`, whose transitions :meth:`WholeParam.move_to` 
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ __all__ = [
     "WholeTensorPlan",
     "assign_owners",
     "cost",
+    "digest",
     "existing_plan",
     "plan_for",
 ]
@@ -112,6 +114,14 @@ class WholeGroup:
     device: torch.device
     dtype: torch.dtype
     params: list[WholeParam] = field(default_factory=list)
+    digest: int = (
+        0  # of describe(): equal on every rank that planned alike (see whole_exchange.agree_on_step)
+    )
+
+    def describe(self) -> list[tuple[str, tuple[int, ...], int, tuple[int, ...]]]:
+        """Each parameter's name, shape, owner and elements on each rank, in order: what the group's all-to-alls
+        are computed from, so what every rank of the group must agree on."""
+        return [(q.name, tuple(q.shape), q.owner, tuple(q.counts)) for q in self.params]
 
 
 @dataclass(eq=False)
@@ -120,6 +130,7 @@ class WholeTensorPlan:
 
     key: tuple[tuple[int, int], ...]  # the ids of the optimizer's parameters and of their units when planned
     groups: list[WholeGroup]
+    optimizer_name: str = "the optimizer"  # its class, for messages
     # elements this rank sent in the exchanges of the last step: values and gradients to owners, pieces back
     sent: dict[str, int] = field(default_factory=lambda: {"values": 0, "grads": 0, "back": 0})
     # engine/state/whole_state.py: (id(parameter), key) of state tensors that are whole (not shaped like their
@@ -167,6 +178,15 @@ def assign_owners(shapes: list[torch.Size], world: int) -> list[int]:
     return owners
 
 
+_MASK = (1 << 62) - 1  # digests and their negatives fit an int64
+
+
+def digest(value: object) -> int:
+    """A 62-bit digest of ``repr(value)``, the same on every rank for equal values (not Python's ``hash``, which
+    is randomised per process for strings)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") & _MASK
+
+
 def existing_plan(optimizer: torch.optim.Optimizer) -> WholeTensorPlan | None:
     """The plan kept on ``optimizer``, if one was made (no planning)."""
     plan = getattr(optimizer, _ATTR, None)
@@ -212,7 +232,8 @@ def plan_for(optimizer: torch.optim.Optimizer) -> WholeTensorPlan:
     for g in groups.values():
         for q, owner in zip(g.params, assign_owners([q.shape for q in g.params], g.world), strict=True):
             q.owner = owner
-    plan = WholeTensorPlan(key, list(groups.values()))
+        g.digest = digest((g.world, g.describe()))
+    plan = WholeTensorPlan(key, list(groups.values()), type(optimizer).__name__)
     if cached is not None:  # a load in progress keeps its record (see whole_state.note_loaded_whole)
         plan.loaded_whole = cached.loaded_whole
     setattr(optimizer, _ATTR, plan)

@@ -12,8 +12,12 @@ shard group, its owner, and the optimizer runs there on the whole tensor, unchan
 
 1. Owners are chosen once per optimizer (and again if its parameters change), the same on every rank: parameters
    by decreasing cost (elements times the smaller side for a matrix, the Newton-Schulz work; elements otherwise)
-   each go to the rank with the least cost so far, so owners share the work and the optimizer state.
-2. When the gradients are final (after the closure, if ``step`` was given one; otherwise at once), one
+   each go to the rank with the least cost so far, so owners share the work and the optimizer state. The plan
+   (``whole_plan.WholeTensorPlan``) is kept on the optimizer and goes with it.
+2. When the gradients are final (after the closure, if ``step`` was given one; otherwise at once), the ranks of
+   each shard group first check, in one small all-reduce, that they agree on the parameters and on which of them
+   have a gradient (see [Note: the ranks agree before an all-to-all] in ``whole_exchange``); a rank that
+   disagrees makes every rank raise, naming the ranks and the parameters, instead of a hang or garbage. Then one
    all-to-all over the shard group sends each rank's pieces of every such gradient to the parameter's owner.
    The owner keeps the whole value its last step left (see 4.), so values travel only when that copy is
    missing or stale. The owner sets the parameter's ``.data`` and ``.grad`` to the whole tensors; every other
@@ -26,8 +30,15 @@ shard group, its owner, and the optimizer runs there on the whole tensor, unchan
    So after each step every rank notes each of its pieces' version counters (an in-place write through the
    parameter or the shard bumps them) and a digest of its bytes (a write through ``.data`` bumps nothing:
    CRC-32 on the CPU, several GB/s; a positional integer sum on a device), and before the next step compares;
-   one all-reduce of one flag per parameter (MAX over the group) makes every rank agree which parameters need
-   values sent with their gradients. A step that raised drops the owners' copies.
+   the check of 2. carries whether any rank found a change, and only then one more all-reduce of one flag per
+   parameter (MAX over the group) makes every rank agree which parameters need values sent with their
+   gradients. A step that raised drops the owners' copies.
+
+Each parameter's :class:`~flatshard.engine.step.whole_plan.WholeState` says where it stands: ``PIECE`` between
+steps, ``WHOLE_ON_OWNER`` on its owner and ``SKIPPED_ON_NON_OWNER`` elsewhere from 2. to 3. Every change goes
+through ``WholeParam.move_to``, which refuses a transition that does not follow (an error naming the parameter,
+its state and the rank). A step that raised leaves parameters whole: the next step, save or load puts the
+pieces back first (``WholeTensorPlan.recover``).
 
 The optimizer state of such a parameter is therefore whole, on its owner only: the memory of sharding is kept,
 divided by ownership rather than by elements; the owner's copy of the value adds as much again (about the
@@ -38,8 +49,9 @@ gradient-sized collective at 2 ranks, less beyond. Values add ``P (N-1) / N**2``
 after an edit (of the edited parameters only). Measured on the ``cpu-small`` GPT's block matrices (25.2M
 elements, ``last_exchange``): per rank and step 0.667x one reduce-scatter of them on 2 ranks (1.001x on the
 first step, values included), 0.472x on 4 ranks (the busiest rank 0.611x): a piece owned by the rank holding
-it does not travel. Before the owners kept values, every step sent them too. Hybrid sharding runs the same owners in every replica group. NO_SHARD (one rank per
-shard group) holds parameters whole already: nothing happens.
+it does not travel. Before the owners kept values, every step sent them too. Hybrid sharding runs the same
+owners in every replica group. NO_SHARD (one rank per shard group) holds parameters whole already: nothing
+happens.
 
 Why owners rather than every rank updating every parameter redundantly (each all-gathering every gradient and
 value and running the optimizer on all of them), measured on the ``cpu-small`` GPT's 32 block matrices (25.2M
@@ -67,11 +79,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from flatshard.engine.handle import handle_of_param
+from flatshard.engine.step.whole_exchange import Entry, agree_on_step, from_owners, to_owners
 from flatshard.engine.step.whole_plan import (
     WholeGroup,
     WholeParam,
@@ -80,17 +92,13 @@ from flatshard.engine.step.whole_plan import (
     existing_plan,
     plan_for,
 )
-from flatshard.engine.transport import watchdog
 
 __all__ = [
-    "Entry",
     "explaining_step_errors",
-    "from_owners",
     "install_hooks",
     "is_whole_tensor_optimizer",
     "last_exchange",
     "register_whole_tensor_optimizer",
-    "to_owners",
     "whole_tensor_classes",
 ]
 
@@ -162,75 +170,6 @@ def install_hooks() -> None:
     _REGISTRY.install_hooks()
 
 
-Entry = tuple[WholeParam, torch.Tensor | None]
-
-
-def _all_to_all(
-    g: WholeGroup,
-    send: list[torch.Tensor],
-    in_splits: list[int],
-    out_splits: list[int],
-    dtype: torch.dtype,
-    what: str,
-) -> torch.Tensor:
-    flat_in = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=g.device)
-    flat_out = torch.empty(sum(out_splits), dtype=dtype, device=g.device)
-    work = dist.all_to_all_single(flat_out, flat_in, out_splits, in_splits, group=g.group, async_op=True)
-    watchdog.wait_collective(
-        work, f"all_to_all of {what} ({flat_in.numel()} elements)", g.group, "all_to_all"
-    )
-    return flat_out
-
-
-def to_owners(g: WholeGroup, entries: list[Entry], dtype: torch.dtype, what: str) -> dict[int, torch.Tensor]:
-    """Each rank gives its flat piece of every entry (the same entries, in the same order, on every rank); returns,
-    by position in ``entries``, the whole flat tensors of those this rank owns."""
-    send = [
-        t.to(g.device, dtype) for d in range(g.world) for q, t in entries if q.owner == d and t is not None
-    ]
-    in_splits = [sum(q.counts[g.rank] for q, _ in entries if q.owner == d) for d in range(g.world)]
-    out_splits = [sum(q.counts[s] for q, _ in entries if q.owner == g.rank) for s in range(g.world)]
-    flat_out = _all_to_all(g, send, in_splits, out_splits, dtype, what)
-    wholes = {
-        i: torch.empty(q.shape.numel(), dtype=dtype, device=g.device)
-        for i, (q, _) in enumerate(entries)
-        if q.owner == g.rank
-    }
-    pos = 0
-    for s in range(g.world):  # from each source, its pieces of the entries owned here, in order
-        for i in wholes:
-            q = entries[i][0]
-            n, at = q.counts[s], q.starts[s]
-            wholes[i][at : at + n].copy_(flat_out[pos : pos + n])
-            pos += n
-    return wholes
-
-
-def from_owners(
-    g: WholeGroup, entries: list[Entry], dtype: torch.dtype, what: str
-) -> dict[int, torch.Tensor]:
-    """The owner of every entry gives its whole flat tensor (``None`` elsewhere); returns, by position in
-    ``entries``, this rank's piece of each."""
-    send = [
-        t[q.starts[d] : q.starts[d] + q.counts[d]].to(g.device, dtype)
-        for d in range(g.world)
-        for q, t in entries
-        if q.owner == g.rank and t is not None
-    ]
-    in_splits = [sum(q.counts[d] for q, _ in entries if q.owner == g.rank) for d in range(g.world)]
-    out_splits = [sum(q.counts[g.rank] for q, _ in entries if q.owner == s) for s in range(g.world)]
-    flat_out = _all_to_all(g, send, in_splits, out_splits, dtype, what)
-    pieces: dict[int, torch.Tensor] = {}
-    pos = 0
-    for s in range(g.world):
-        for i, (q, _) in enumerate(entries):
-            if q.owner == s:
-                n = q.counts[g.rank]
-                pieces[i] = flat_out[pos : pos + n]
-                pos += n
-    return pieces
-
-
 _CHUNK = 1 << 20
 _MODULUS = (1 << 61) - 1
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
@@ -283,21 +222,12 @@ def _marks(live: list[WholeParam]) -> list[tuple[int, int, int, int]]:
     ]
 
 
-def _stale(g: WholeGroup, live: list[WholeParam]) -> list[bool]:
-    """Which of ``live`` their owner must be sent values for, the same answer on every rank of the group: those
-    with no whole value on the owner yet, or with a piece anywhere that is not what the last step left (a load,
-    an in-place edit, a write through ``.data``: whatever wrote it)."""
-    if not live:
-        return []
+def _stale_here(g: WholeGroup, live: list[WholeParam]) -> list[bool]:
+    """Which of ``live`` this rank needs values sent for: those with no whole value on the owner yet, or with a
+    piece here that is not what the last step left (a load, an in-place edit: whatever wrote it). The ranks
+    combine their answers in :func:`agree_on_step`."""
     now = _marks(live)
-    flags = [
-        q.mark is None or (q.owner == g.rank and q.whole is None) or q.mark != now[k]
-        for k, q in enumerate(live)
-    ]
-    votes = torch.tensor(flags, dtype=torch.int32, device=g.device)
-    work = dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=g.group, async_op=True)
-    watchdog.wait_collective(work, "all_reduce of whole-tensor optimizer flags", g.group, "all_reduce")
-    return [bool(v) for v in votes.tolist()]
+    return [q.mark is None or (q.owned and q.whole is None) or q.mark != now[k] for k, q in enumerate(live)]
 
 
 def _gather_to_owners(plan: WholeTensorPlan) -> None:
@@ -313,10 +243,12 @@ def _gather_to_owners(plan: WholeTensorPlan) -> None:
 
 
 def _gather_group(plan: WholeTensorPlan, g: WholeGroup) -> None:
-    live = [q for q in g.params if q.param.grad is not None]
+    at_live = [n for n, q in enumerate(g.params) if q.param.grad is not None]
+    live = [g.params[n] for n in at_live]
     for q in live:
         q.check_state(WholeState.PIECE, doing="the exchange of gradients to their owners")
-    stale = _stale(g, live)
+    # see [Note: the ranks agree before an all-to-all]
+    stale = agree_on_step(g, at_live, _stale_here(g, live), f"{plan.optimizer_name}.step()")
     entries: list[Entry] = []
     for q, needs_value in zip(live, stale, strict=True):
         elsewhere = q.counts[g.rank] if not q.owned else 0
