@@ -432,8 +432,8 @@ def test_muon_with_other_options_matches_whole_parameters(case: str) -> None:
 # ------------------------------------------------------------------------------------- traffic and edits
 def _edited(rank: int, world: int) -> dict[str, Any]:
     """Four steps of Adafactor (fp32 throughout: Muon's bf16 Newton-Schulz turns rounding-level differences into
-    visible ones); between them the weights are edited behind the optimizer's back: all pieces through ``.data``
-    (no version counter sees it), then one rank's piece of one matrix only."""
+    visible ones); between them the weights are edited in place behind the optimizer's back: every piece, then
+    one rank's piece of one matrix only."""
     from flatshard.engine.handle import handle_of_param
     from flatshard.engine.step import whole_tensor
 
@@ -447,11 +447,12 @@ def _edited(rank: int, world: int) -> dict[str, Any]:
     info = handle.layout.shard_infos(1)[handle.index_of(first)]
     exchanges = []
     for step in range(4):
-        if step == 2:
-            for p in model.parameters():
-                p.data.mul_(0.9)
-        if step == 3 and rank == 1:
-            first.data.add_(0.01)
+        with torch.no_grad():
+            if step == 2:
+                for p in model.parameters():
+                    p.mul_(0.9)
+            if step == 3 and rank == 1:
+                first.add_(0.01)
         x, y = _batch(step, world)
         rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
         (model(x[rows]) - y[rows]).pow(2).mean().backward()
@@ -464,7 +465,7 @@ def _edited(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor")
-def test_owners_keep_values_whole_and_see_any_edit_of_a_piece() -> None:
+def test_owners_keep_values_whole_and_see_in_place_edits_of_a_piece() -> None:
     world = 3
     ranks = spawn(_edited, world)
     # the reference: the same steps and edits on the unsharded model (rank 1's edit on its region of the matrix)
@@ -500,6 +501,115 @@ def test_owners_keep_values_whole_and_see_any_edit_of_a_piece() -> None:
         < sum(s["values"] for s in (r["exchanges"][3] for r in ranks))
         < sum(s["values"] for s in (r["exchanges"][0] for r in ranks))
     )  # after one rank's edit of one matrix, that matrix's values only
+
+
+# Every writer of pieces that the owners' copies must see (4. of [Note: whole-tensor optimizers]); "rewinds" put
+# back what was saved one step before. A write through ``p.data`` is seen only with increment_version (the note).
+WRITERS = [
+    "set_state_dict full",
+    "set_state_dict sharded",
+    "load_checkpoint full",
+    "load_checkpoint sharded",
+    "load_pretrained",
+    "unshard_params writeback",
+    "unshard_params writeback rank0_only",
+    "module.load_state_dict",
+    "data write with increment_version",
+]
+REWINDS = ("load_checkpoint full", "load_checkpoint sharded", "load_pretrained")
+
+
+def _write(name: str, model: nn.Module, rank: int, folder: str, save: bool) -> None:
+    """The writer ``name`` (with ``save``: what a rewind saves the step before): scales every weight by 0.9."""
+    from flatshard.engine.state.sharded import ParamShard
+
+    path = f"{folder}/{name.replace(' ', '_')}"
+    if save:
+        if name == "load_pretrained":
+            flatshard.save_pretrained(model, path)
+        else:
+            flatshard.save_checkpoint(path, model, state_dict_type=name.split()[-1])
+    elif name == "load_pretrained":
+        flatshard.load_pretrained(model, path)
+    elif name in REWINDS:
+        flatshard.load_checkpoint(path, model)
+    elif name == "set_state_dict full":
+        full = flatshard.get_state_dict(model, None, rank0_only=False)[0]
+        flatshard.set_state_dict(model, None, {k: v * 0.9 for k, v in full.items()})
+    elif name == "set_state_dict sharded":
+        local = flatshard.get_state_dict(model, None, full=False)[0]
+        scaled = {k: ParamShard(v.local * 0.9, v.offset, v.shape) for k, v in local.items()}
+        flatshard.set_state_dict(model, None, scaled, full=False)
+    elif name.startswith("unshard_params"):
+        rank0_only = name.endswith("rank0_only")
+        with flatshard.unshard_params(model, rank0_only=rank0_only), torch.no_grad():
+            if rank == 0 or not rank0_only:
+                for p in model.parameters():
+                    p.mul_(0.9)
+    elif name == "module.load_state_dict":
+        model.load_state_dict({k: v.detach() * 0.9 for k, v in model.state_dict().items()})
+    else:  # the data write, then what torch asks of writers it does not see
+        for p in model.parameters():
+            p.data.mul_(0.9)
+            torch.autograd.graph.increment_version(p)
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rows: slice) -> None:
+    """One step on ``rows`` of the global batch of 2 ranks."""
+    x, y = _batch(step, 2)
+    (model(x[rows]) - y[rows]).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _written(rank: int, world: int, folder: str) -> dict[str, Any]:
+    from flatshard.engine.step import whole_tensor
+
+    torch.set_num_threads(1)
+    model = _model()
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    flatshard.shard(model, auto_wrap_policy={nn.Linear})
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    values: list[tuple[str, int]] = []
+    step = 0
+    for name in ["first step", *WRITERS, "nothing"]:
+        if name in REWINDS:  # save, then one step that the rewind undoes
+            _write(name, model, rank, folder, save=True)
+            _step(model, opt, step, mine)
+            values.append((f"before {name}", whole_tensor.last_exchange(opt)["values"]))
+            step += 1
+        if name in WRITERS:
+            _write(name, model, rank, folder, save=False)
+        _step(model, opt, step, mine)
+        values.append((name, whole_tensor.last_exchange(opt)["values"]))
+        step += 1
+    return {"state": flatshard.get_state_dict(model, None)[0], "values": values}
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor")
+def test_every_writer_of_pieces_makes_the_owners_take_new_values(tmp_path: Any) -> None:
+    ranks = spawn(_written, 2, str(tmp_path))
+    sent = {name: sum(dict(r["values"])[name] for r in ranks) for name, _ in ranks[0]["values"]}
+    for name, total in sent.items():
+        assert (total > 0) == (name in ["first step", *WRITERS]), (name, sent)
+    # the reference: the unsharded model on the global batches, each writer's effect done by hand
+    model = _model()
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    step = 0
+    for name in ["first step", *WRITERS, "nothing"]:
+        if name in REWINDS:
+            saved = copy.deepcopy(model.state_dict())
+            _step(model, opt, step, slice(None))
+            step += 1
+            model.load_state_dict(saved)
+        elif name in WRITERS:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.9)
+        _step(model, opt, step, slice(None))
+        step += 1
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(ranks[0]["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
 # ------------------------------------------------------------------------ state of other shapes (Adafactor)

@@ -401,6 +401,9 @@ def _read(src: PretrainedSource, targets: list[_Target]) -> None:
                 direct.append((p.source, p.first, p.dest))
         if direct:
             src.read(direct)
+            # written by pointer, unseen by torch: bump the shards' version counters as torch asks of such writers
+            # (whole-tensor optimizers' owners then know their copies are stale: [Note: whole-tensor optimizers])
+            torch.autograd.graph.increment_version([dest for _, _, dest in direct])
         for p in pieces:
             if p.dest.dtype == p.source.dtype and p.dest.device.type == "cpu" and p.dest.is_contiguous():
                 continue

@@ -71,7 +71,9 @@ class WholeParam:
         None  # outside PIECE: the gradient piece ``.grad`` gets back after the step
     )
     whole: torch.Tensor | None = None  # on the owner: the whole value its last step left (the pieces' source)
-    mark: tuple[int, int, int, int] | None = None  # this rank's piece as the last step left it
+    mark: tuple[int, int, int] | None = (
+        None  # version_mark() as the last step left the piece (None: no step yet)
+    )
 
     @property
     def owned(self) -> bool:
@@ -80,6 +82,14 @@ class WholeParam:
     def piece(self) -> torch.Tensor:
         """This rank's piece of the parameter: a view of the unit's shard."""
         return self.handle.piece(self.index)
+
+    def version_mark(self) -> tuple[int, int, int]:
+        """What tells that this rank's piece was written: the shard's identity and the version counters of the
+        shard (shared by every view of it: an in-place write through ``handle.sharded``, ``piece()`` or a
+        ``.detach()`` of either bumps it) and of the parameter (``with torch.no_grad(): p.mul_(...)``). A write
+        through ``p.data`` bumps neither: see 4. of [Note: whole-tensor optimizers]."""
+        sharded = self.handle.sharded
+        return (id(sharded), sharded._version, self.param._version)
 
     def check_state(self, *expected: WholeState, doing: str) -> None:
         """Raise unless the parameter is in one of ``expected`` (``doing``: what needs it, for the message)."""
