@@ -574,19 +574,19 @@ def record_streams(model: nn.Module, nccl_like: bool = False) -> Iterator[Stream
 
     alloc_storage, free_storage, pending_wait = memory.alloc_storage, memory.free_storage, comm.Pending.wait
 
-    def alloc(t: torch.Tensor) -> None:
+    def alloc(t: torch.Tensor, kept: Any = None) -> None:
         was_empty = t.untyped_storage().nbytes() == 0
         with recorder.paused():
-            alloc_storage(t)
+            alloc_storage(t, kept)
         if was_empty:
             recorder.alloc(t)
 
-    def free(t: torch.Tensor) -> None:
+    def free(t: torch.Tensor, kept: Any = None) -> None:
         recorder.free(t)
         if nccl_like:
             return  # a collective may still write into it: keep the memory
         with recorder.paused():
-            free_storage(t)
+            free_storage(t, kept)
 
     def wait(self: comm.Pending) -> torch.Tensor:
         if nccl_like and self.work is not None:

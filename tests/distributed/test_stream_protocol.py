@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import flatshard
+from flatshard.engine import gradients as gradients_module
 from flatshard.engine import unit_states
 from flatshard.engine.handle import FlatParamHandle
-from flatshard.engine.transport import comm as comm_module
 from flatshard.engine.transport.streams import CommContext
 from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT, make_batch
@@ -151,7 +151,7 @@ def _no_gather_wait(self: FlatParamHandle, streams: CommContext | None = None) -
 
 
 def _drops_keepalive() -> Callable[..., Any]:
-    real = comm_module.InFlight
+    real = gradients_module.InFlight
 
     def make(pending: Any, event: Any, keepalive: Any, host: Any = None) -> Any:
         return real(pending, event, None, host)  # the unsharded gradient may be freed while reduced
@@ -173,7 +173,7 @@ def _sabotaged(rank: int, world: int) -> dict[str, list[str]]:
             if target == "wait_unshard":
                 mp.setattr(FlatParamHandle, "wait_unshard", _no_gather_wait)
             elif target == "InFlight":
-                mp.setattr(comm_module, "InFlight", _drops_keepalive())
+                mp.setattr(gradients_module, "InFlight", _drops_keepalive())
             else:
                 mp.setattr(CommContext, "sync_host", lambda self, stream: None)
             _, (rec, _) = _trained(rank, world, options, fake=True)

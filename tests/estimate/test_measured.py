@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flatshard
-from flatshard.engine import comm_stats, gathered_buffers, unit_layouts
+from flatshard.engine import comm_stats, gathered_buffers, unit_layouts, unit_states
 from flatshard.estimator import StorageTracker, estimate, training_step
 from flatshard.estimator.dry_run import make_optimizer
 from flatshard.testing import spawn
@@ -18,8 +18,9 @@ from flatshard.testing.llama import LlamaBlock, tiny_llama
 from flatshard.testing.models import Block
 from tests.estimate.models import gpt, gpt_large_vocab
 
-# Each real rank reduces through gloo, as the meta dry run reduces (no shared-memory pieces, no kept blocks).
-ENV = {"FLATSHARD_SHM": "0", "FLATSHARD_CPU_REUSE": "0"}
+# Each real rank reduces through gloo, as the meta dry run reduces (no shared-memory pieces), and keeps no freed
+# block for the next gather (see _real_step).
+ENV = {"FLATSHARD_SHM": "0"}
 
 FACTORIES = {"gpt": gpt, "llama": tiny_llama, "large": gpt_large_vocab}
 WRAP = {"gpt": {Block}, "llama": {LlamaBlock}, "large": {Block}}
@@ -50,6 +51,8 @@ def _real_step(rank: int, world: int, model: str, optimizer: str, case: dict[str
     torch.manual_seed(0)
     module, batch = FACTORIES[model]()
     flatshard.shard(module, device=torch.device("cpu"), **_options(model, case))
+    for transport in {h.transport for s in unit_states(module) for h in s.handles}:
+        transport.blocks.capacity = 0  # freed blocks go back at once, as in the dry run
     opt, _, _ = make_optimizer(optimizer, module, unit_layouts(module))
     training_step(module, batch, opt)  # records the order, makes the optimizer state, as the dry run does
     tracker = StorageTracker()

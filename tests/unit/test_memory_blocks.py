@@ -28,18 +28,22 @@ def test_freed_storage_returns_to_the_system_and_views_see_the_next_fill() -> No
         pytest.skip("this torch cannot swap a storage's data pointer")
     flat = torch.empty(BIG)
     view = flat[10:20]  # kept across free and re-allocation, as autograd keeps the views it saved
-    memory.free_storage(flat)
+    kept = memory.FreedBlocks()
+    memory.free_storage(flat, kept)
     for value in (1.0, 2.0):
-        memory.alloc_storage(flat)
+        memory.alloc_storage(flat, kept)
         assert flat.untyped_storage().nbytes() == BIG * 4
         flat.fill_(value)
         assert torch.equal(view, torch.full((10,), value))
         before = _rss_mib()
-        memory.free_storage(flat)
+        memory.free_storage(flat, kept)
         assert flat.untyped_storage().nbytes() == 0
-        assert len(memory.freed_blocks) == 1  # kept for the next gather of this size
-        memory.freed_blocks.clear()  # as the runtime does when a pass ends
+        assert len(kept) == 1  # kept for the next gather of this size
+        kept.clear()  # as the runtime does when a pass ends
         assert before - _rss_mib() > 6  # the 8 MiB went back at once
+    memory.alloc_storage(flat)
+    memory.free_storage(flat)  # without a pool: unmapped at once
+    assert flat.untyped_storage().nbytes() == 0 and not kept
     flat.untyped_storage().resize_(BIG * 4)  # freed, it is an ordinary storage again
     flat.fill_(4.0)
     assert torch.equal(view, torch.full((10,), 4.0))
@@ -60,36 +64,36 @@ def test_large_flat_buffers_are_mappings() -> None:
     assert float(t[-1]) == 3.0
 
 
-def test_a_freed_block_is_reused_by_the_next_gather_of_its_size(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_freed_block_is_reused_by_the_next_gather_of_its_size() -> None:
     """See [Note: reusing freed blocks]: the next allocation of the same size takes the kept block (no fresh
-    pages), one of another size maps fresh memory, at most ``capacity`` blocks are kept, and
-    ``FLATSHARD_CPU_REUSE=0`` keeps none."""
+    pages), one of another size maps fresh memory, at most ``capacity`` blocks are kept, and a pool of
+    capacity 0 keeps none."""
     if not memory._CAN_SWAP:
         pytest.skip("this torch cannot swap a storage's data pointer")
-    memory.freed_blocks.clear()
+    kept = memory.FreedBlocks()
     a, b, other = torch.empty(BIG), torch.empty(BIG), torch.empty(BIG + 1024)
     for t in (a, b, other):
-        memory.free_storage(t)
-    memory.alloc_storage(a)
+        memory.free_storage(t, kept)
+    memory.alloc_storage(a, kept)
     a.fill_(5.0)
     pointer = a.untyped_storage().data_ptr()
-    memory.free_storage(a)
-    reused = memory.freed_blocks.reused
+    memory.free_storage(a, kept)
+    reused = kept.reused
     before = _rss_mib()
-    memory.alloc_storage(b)
-    assert b.untyped_storage().data_ptr() == pointer and memory.freed_blocks.reused == reused + 1
+    memory.alloc_storage(b, kept)
+    assert b.untyped_storage().data_ptr() == pointer and kept.reused == reused + 1
     assert _rss_mib() - before < 1  # no page was touched anew
     b.fill_(6.0)
-    memory.alloc_storage(other)  # another size: fresh memory
-    assert other.untyped_storage().data_ptr() != pointer and memory.freed_blocks.reused == reused + 1
+    memory.alloc_storage(other, kept)  # another size: fresh memory
+    assert other.untyped_storage().data_ptr() != pointer and kept.reused == reused + 1
     for t in (b, other, torch.empty(BIG)):
-        memory.free_storage(t)
-    assert len(memory.freed_blocks) == memory.freed_blocks.capacity
-    memory.freed_blocks.clear()
-    monkeypatch.setenv("FLATSHARD_CPU_REUSE", "0")
-    memory.alloc_storage(a)
-    memory.free_storage(a)
-    assert len(memory.freed_blocks) == 0
+        memory.free_storage(t, kept)
+    assert len(kept) == kept.capacity
+    kept.clear()
+    none_kept = memory.FreedBlocks(capacity=0)
+    memory.alloc_storage(a, none_kept)
+    memory.free_storage(a, none_kept)
+    assert len(none_kept) == 0
 
 
 _CAST_THEN_SHARD = """

@@ -14,8 +14,8 @@ once all the views' gradients are complete; its backward keeps those per-paramet
 and gives the anchor a zero. The anchor's post-accumulate hook then fires exactly once per backward, after
 every node of the unit (also when the unit ran more than once in forward), and is the unit's
 post-backward. There the gradient is reduced: packed into one flat buffer for the collectives that need
-one, or, on the shared-memory transport, read piece by piece
-(:class:`~flatshard.engine.transport.pieces.FlatPieces`), so the unsharded gradient exists once, not twice
+one, or, where the transport reads it piece by piece (the shared-memory one;
+:class:`~flatshard.engine.transport.pieces.FlatPieces`), so the unsharded gradient exists once, not twice
 (autograd's tensors plus a packed copy), and is freed as soon as the transport has read it.
 
 [Note: reducing only what trains]
@@ -34,14 +34,15 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from flatshard.engine.flat_param import FlatLayout, ShardInfo
 from flatshard.engine.precision import UnitPrecision, reduce_divisors
-from flatshard.engine.transport import comm, memory
+from flatshard.engine.transport.comm import InFlight, Pending
+from flatshard.engine.transport.interface import Transport
 from flatshard.engine.transport.pieces import FlatPieces
 from flatshard.engine.transport.streams import CommContext
 
@@ -50,14 +51,12 @@ __all__ = ["UnitGradients"]
 
 def _reduce_scatter_into(
     handle: UnitGradients, out: torch.Tensor, full: torch.Tensor | FlatPieces
-) -> comm.Pending:
-    return comm.reduce_scatter_flat(out, full, handle.shard_group, where=handle.where)
+) -> Pending:
+    return handle.transport.reduce_scatter(out, full, handle.where)
 
 
-def _all_reduce_into(
-    handle: UnitGradients, out: torch.Tensor, full: torch.Tensor | FlatPieces
-) -> comm.Pending:
-    return comm.all_reduce_flat(out, handle.replicate_group, where=handle.where)
+def _all_reduce_into(handle: UnitGradients, out: torch.Tensor, full: torch.Tensor | FlatPieces) -> Pending:
+    return handle.transport.all_reduce(out, handle.where)
 
 
 def _weak_flat(t: torch.Tensor) -> Callable[[], torch.Tensor | None]:
@@ -108,13 +107,12 @@ class UnitGradients:
     _trainable_end: int
     layout: FlatLayout
     shard_infos: tuple[ShardInfo, ...]
-    shard_group: Any | None
-    replicate_group: Any | None
     shard_world: int
     replicate_world: int
     device: torch.device
     precision: UnitPrecision
     offload: bool
+    transport: Transport
     grad_anchor: torch.Tensor
     _sharded: torch.Tensor
     _flat: torch.Tensor
@@ -201,7 +199,7 @@ class UnitGradients:
         The buffer is allocated here (on the compute stream) rather than by autograd, so large CPU
         buffers get huge pages (see [Note: huge pages for CPU buffers]).
         """
-        flat = memory.empty_flat(self._reduce_numel(), self._flat.dtype, self.device)
+        flat = self.transport.empty_flat(self._reduce_numel(), self._flat.dtype)
         if self._packs_by_cat(grads):  # one copy for the whole unit rather than one per parameter
             used = self._trainable_end
             torch.cat([grad.reshape(-1) for grad in grads], out=flat[:used])  # type: ignore[union-attr]
@@ -215,19 +213,17 @@ class UnitGradients:
     def gradient_to_reduce(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor | FlatPieces:
         """What :meth:`reduce_grad` reduces: these gradients plus what ``no_sync`` kept.
 
-        Left in autograd's per-parameter tensors (:class:`FlatPieces`) for a reduce-scatter on the
-        shared-memory transport that needs no cast and no scaling of them first; packed into one flat
-        buffer otherwise.
+        Left in autograd's per-parameter tensors (:class:`FlatPieces`) for a reduce-scatter that reads them in
+        place (``Transport.takes_pieces``) and needs no cast and no scaling of them first; packed into one
+        flat buffer otherwise.
         """
         reduce_dtype = self.precision.reduce
         pre, _ = reduce_divisors(self.shard_world * self.replicate_world, reduce_dtype)
         if (
-            self.shard_world > 1
-            and self.device.type == "cpu"
-            and not self.has_unsynced
+            not self.has_unsynced
             and pre == 1.0
             and reduce_dtype == self._flat.dtype
-            and comm.reads_pieces(self.shard_group)
+            and self.transport.takes_pieces()
         ):
             return FlatPieces(self._reduce_numel(), reduce_dtype, self.device, self._pieces_to_reduce(grads))
         flat = self.with_unsynced(self.pack_grads(grads))
@@ -271,7 +267,7 @@ class UnitGradients:
 
     def reduce_grad(
         self, flat_grad: torch.Tensor | FlatPieces, streams: CommContext | None = None
-    ) -> comm.InFlight:
+    ) -> InFlight:
         """Start reducing an unsharded flat gradient to this rank's gradient shard (a SUM; see finish_grad).
 
         ``flat_grad`` is kept alive in the returned record until :meth:`finish_grad` has waited. Under
@@ -280,42 +276,42 @@ class UnitGradients:
         :class:`FlatPieces` (see :meth:`gradient_to_reduce`) it needs neither and is reduce-scattered.
         """
         if isinstance(flat_grad, FlatPieces):
-            out = memory.empty_flat(self._reduce_chunk, flat_grad.dtype, self.device)
-            return comm.InFlight(_reduce_scatter_into(self, out, flat_grad), None, flat_grad)
+            out = self.transport.empty_flat(self._reduce_chunk, flat_grad.dtype)
+            return InFlight(_reduce_scatter_into(self, out, flat_grad), None, flat_grad)
         reduce_dtype = self.precision.reduce
         if flat_grad.dtype != reduce_dtype:
             flat_grad = flat_grad.to(reduce_dtype)
         pre, _ = reduce_divisors(self.shard_world * self.replicate_world, reduce_dtype)
         if pre != 1.0:
             flat_grad.div_(pre)
-        collective: Callable[[UnitGradients, torch.Tensor, torch.Tensor], comm.Pending] | None
+        collective: Callable[[UnitGradients, torch.Tensor, torch.Tensor], Pending] | None
         if self.shard_world == 1:
             out, collective = flat_grad, _all_reduce_into if self.replicate_world > 1 else None
         else:
-            out = memory.empty_flat(self._reduce_chunk, reduce_dtype, self.device)  # on compute
+            out = self.transport.empty_flat(self._reduce_chunk, reduce_dtype)  # on compute
             collective = _reduce_scatter_into
         if streams is None or not streams.is_cuda:
-            pending = collective(self, out, flat_grad) if collective is not None else comm.Pending(out, None)
-            return comm.InFlight(pending, None, flat_grad)
+            pending = collective(self, out, flat_grad) if collective is not None else Pending(out, None)
+            return InFlight(pending, None, flat_grad)
         if collective is None and not self.offload:
-            return comm.InFlight(comm.Pending(out, None), None, flat_grad)
+            return InFlight(Pending(out, None), None, flat_grad)
         # See [Note: stream overlap]: everything below is queued on the post-backward stream, after the
         # compute stream's work so far; the compute stream waits for its event in finish_grad.
         scratch = self._cast_scratch(out.dtype) if self.offload else None  # allocated on compute
         streams.side_waits_compute(streams.post_backward)
         with streams.on(streams.post_backward):
-            pending = comm.Pending(out, None)
+            pending = Pending(out, None)
             if collective is not None:
                 pending = collective(self, out, flat_grad)
                 pending.wait()  # the post-backward stream (not the CPU) waits for the collective
             if self.shard_world > 1 and self.replicate_world > 1:  # hybrid sharding: across shard groups
-                comm.all_reduce_flat(out, self.replicate_group, where=self.where).wait()
+                self.transport.all_reduce(out, self.where).wait()
             host = self._copy_to_host(out, scratch, streams) if self.offload else None
             event = streams.record(streams.post_backward)
         keepalive = flat_grad if scratch is None else (flat_grad, scratch)
-        return comm.InFlight(pending, event, keepalive, host)
+        return InFlight(pending, event, keepalive, host)
 
-    def finish_grad(self, inflight: comm.InFlight, streams: CommContext | None = None) -> None:
+    def finish_grad(self, inflight: InFlight, streams: CommContext | None = None) -> None:
         """Wait for a reduction, average it and accumulate it into the parameters' gradients.
 
         With CPU offload the gradient shard is copied to host memory instead and accumulated by
@@ -327,7 +323,7 @@ class UnitGradients:
         else:
             grad = inflight.pending.wait()
             if self.shard_world > 1 and self.replicate_world > 1:  # on CUDA: issued by reduce_grad
-                comm.all_reduce_flat(grad, self.replicate_group, async_op=False, where=self.where)
+                self.transport.all_reduce(grad, self.where, async_op=False)
         if self.offload:
             host = inflight.host if inflight.host is not None else self._copy_to_host(grad, None, streams)
             self._host_grads.append(host)
@@ -345,7 +341,7 @@ class UnitGradients:
         _, post = reduce_divisors(self.shard_world * self.replicate_world, reduce_dtype)
         if post == 1.0 or reduce_dtype == self.precision.grad:
             return None
-        return memory.empty_flat(self._grad_numel, self.precision.grad, self.device)
+        return self.transport.empty_flat(self._grad_numel, self.precision.grad)
 
     def _copy_to_host(
         self, grad: torch.Tensor, scratch: torch.Tensor | None, streams: CommContext | None

@@ -25,6 +25,7 @@ gathers into the same storage again before backward, so the saved views see the 
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -32,25 +33,36 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
-from torch.utils.weak import WeakIdKeyDictionary
 
 from flatshard.engine.flat_param import FlatLayout, ShardInfo, flatten_tensors, split_flat
 from flatshard.engine.gradients import UnitGradients
 from flatshard.engine.precision import UnitPrecision
 from flatshard.engine.setup.wrap import Alias
-from flatshard.engine.transport import comm, memory, watchdog
+from flatshard.engine.transport.comm import InFlight, Pending, as_wire
+from flatshard.engine.transport.interface import Transport
 from flatshard.engine.transport.limiter import AllGatherLimiter
 from flatshard.engine.transport.streams import CommContext
+from flatshard.engine.transport.watchdog import Label
 from flatshard.engine.unfilled import fill_marker
 
 __all__ = ["FlatParamHandle", "HandleState", "handle_of_param", "locate_params"]
 
-_PARAM_TO_HANDLE = WeakIdKeyDictionary()  # Parameter -> FlatParamHandle, keyed by identity
+# A managed Parameter's link to its handle: (a weak reference to the handle, the parameter's index there), in the
+# parameter's own __dict__, so it goes with the parameter; a copy of the parameter (deepcopy makes none, copy and
+# swap_tensors carry it over) is not at that index and is no unit's.
+_HANDLE_ATTR = "_flatshard_handle"
 
 
 def handle_of_param(param: torch.Tensor) -> FlatParamHandle | None:
     """The handle managing ``param``, or ``None`` for a parameter flatshard does not manage."""
-    return _PARAM_TO_HANDLE.get(param)  # type: ignore[no-any-return]
+    link = param.__dict__.get(_HANDLE_ATTR)
+    if link is None:
+        return None
+    ref, index = link
+    handle: FlatParamHandle | None = ref()
+    if handle is None or index >= len(handle.params) or handle.params[index] is not param:
+        return None
+    return handle
 
 
 def locate_params(params: list[torch.Tensor]) -> list[tuple[FlatParamHandle | None, int]]:
@@ -102,6 +114,8 @@ class FlatParamHandle(UnitGradients):
         replicate_group: ranks holding the same shard, whose gradients are all-reduced (or ``None``).
         device: where the shard lives and compute happens.
         sync_group: if given, the flat parameter is broadcast from this group's rank 0 before sharding.
+        transport: how its collectives run and its buffers are allocated (see [Note: the transport interface]);
+            default: one of its own for these groups and device.
         precision: the unit's dtypes (see [Note: mixed precision]); default: the parameters' own dtype.
         offload: keep the shard and the gradient shard in CPU memory (see [Note: CPU offload]).
         unfilled: ``id()`` of parameters nothing gave values (see [Note: unfilled tensors]); a parameter on
@@ -135,6 +149,7 @@ class FlatParamHandle(UnitGradients):
         precision: UnitPrecision | None = None,
         offload: bool = False,
         unfilled: Collection[int] = (),
+        transport: Transport | None = None,
     ) -> None:
         if not params:
             raise ValueError("FlatParamHandle needs at least one parameter.")
@@ -155,6 +170,9 @@ class FlatParamHandle(UnitGradients):
         self.shard_group = shard_group
         self.replicate_group = replicate_group
         self.device = device
+        if transport is None or not transport.serves(shard_group, replicate_group, device):
+            transport = Transport(shard_group, replicate_group, device)
+        self.transport = transport
         self.dtype: torch.dtype = next(iter(dtypes))
         self.precision = precision or UnitPrecision.resolve(None, self.dtype)
         if self.precision.param != self.dtype:
@@ -204,7 +222,7 @@ class FlatParamHandle(UnitGradients):
             self._gather: torch.Tensor = self._sharded
         else:
             self._gather = torch.empty(self.layout.padded_numel, dtype=compute, device=device)
-            memory.free_storage(self._gather)
+            self.transport.free_gathered(self._gather)
         self._flat: torch.Tensor = torch.empty(0, dtype=compute, device=device)
         self._flat.data = self._gather
         # Views made once and reused every step: the shard's pieces, and the gathered flat's untracked views
@@ -213,17 +231,19 @@ class FlatParamHandle(UnitGradients):
         self._flat_views: list[torch.Tensor] | None = None
         # See [Note: gradients of a unit]: the unit's post-backward hook goes on this scalar leaf.
         self.grad_anchor = torch.zeros((), device=device, requires_grad=True)
-        self._pending_unshard: comm.InFlight | None = None  # a gather issued and not yet waited for
-        self._gather_label: watchdog.Label | None = None  # the last all-gather (CUDA): see the limiter
+        self._pending_unshard: InFlight | None = None  # a gather issued and not yet waited for
+        self._gather_label: Label | None = None  # the last all-gather (CUDA): see the limiter
         # (unit path, phase, step) of the next collectives, set by the runtime: see [Note: finding a desync]
         self.where: tuple[str, str, int] | None = None
         self._init_gradients()
-        for p in self.params:
-            _PARAM_TO_HANDLE[p] = self
+        me = weakref.ref(self)
+        for i, p in enumerate(self.params):
+            p.__dict__[_HANDLE_ATTR] = (me, i)
         self.use_sharded_views()
 
     def _replace_param(self, i: int, param: nn.Parameter) -> None:
         self.params[i] = param
+        param.__dict__[_HANDLE_ATTR] = (weakref.ref(self), i)
         for module, name in self.aliases[i]:
             module._parameters[name] = param
 
@@ -239,11 +259,7 @@ class FlatParamHandle(UnitGradients):
         if self.offload:  # see [Note: CPU offload]
             pin = self.device.type == "cuda" and torch.cuda.is_available()
             return torch.empty(n, dtype=self.dtype, pin_memory=pin)
-        if self.device.type == "cpu" and self.shard_world > 1:
-            shard = memory.empty_mapped((n,), self.dtype)  # see _shard_from_full
-            memory.advise_hugepages(shard)  # peers read it fastest so: [Note: reading peers directly]
-            return shard
-        return torch.empty(n, dtype=self.dtype, device=self.device)
+        return self.transport.empty_shard(n, self.dtype)
 
     def _shard_from_pieces(self, params: Sequence[nn.Parameter], lo: int, hi: int) -> torch.Tensor:
         """This rank's shard written piece by piece: the marker for parameters on the meta device (no full
@@ -268,19 +284,14 @@ class FlatParamHandle(UnitGradients):
     ) -> torch.Tensor:
         """This rank's shard cut from the unit's whole flat parameter (broadcast from rank 0 of
         ``sync_group`` first, if given)."""
-        # Sharded over several CPU ranks, the full flat tensor is transient: a mapping of its own returns it
-        # to the system when freed (heap memory would stay with the process; see [Note: materializing unit by
-        # unit]).
-        transient = self.shard_world > 1 and self.device.type == "cpu"
-        out = memory.empty_mapped((self.layout.padded_numel,), self.dtype) if transient else None
+        # The full flat tensor is transient: memory the transport returns to the system when freed.
+        out = self.transport.empty_transient(self.layout.padded_numel, self.dtype)
         full = flatten_tensors([p.detach().to(self.device) for p in params], self.layout, out=out)
         if sync_group is not None:
-            dist.broadcast(comm.as_wire(full), src=dist.get_global_rank(sync_group, 0), group=sync_group)
+            dist.broadcast(as_wire(full), src=dist.get_global_rank(sync_group, 0), group=sync_group)
         if self.shard_world == 1 and not self.offload:
             return full  # 1-D, padded_numel == total_numel
         if self.offload or self.device.type == "cpu":
-            # On CPU the shard lives as long as the model: a mapping of its own (for large shards) keeps it
-            # from pinning heap memory that the transient full tensors of later units would reuse.
             sharded = self._new_shard(hi - lo)
             sharded.copy_(full[lo:hi])
             return sharded
@@ -383,7 +394,7 @@ class FlatParamHandle(UnitGradients):
             return
         if limiter is not None and self.shard_world > 1:
             limiter.before_all_gather()  # see [Note: rate limiter]
-        memory.alloc_storage(self._gather)  # on the compute stream
+        self.transport.alloc_gathered(self._gather)  # on the compute stream
         cuda = streams is not None and streams.is_cuda
         if self.shard_world == 1:  # one rank, mixed precision or offload: the copy is the whole "gather"
             if not cuda:
@@ -394,13 +405,13 @@ class FlatParamHandle(UnitGradients):
             with streams.on(streams.pre_unshard):  # pinned host memory with offload: see [Note: CPU offload]
                 self._gather.copy_(self._sharded, non_blocking=True)
             event = streams.record(streams.pre_unshard)
-            self._pending_unshard = comm.InFlight(comm.Pending(self._gather, None), event, None)
+            self._pending_unshard = InFlight(Pending(self._gather, None), event, None)
             return
         source = self._sharded
         cast_done = None
         if self.precision.mixed or self.offload:
             # all-gather a copy of the shard on the compute device, in the compute dtype, made on pre_unshard
-            source = memory.empty_flat(self._sharded.numel(), self._gather.dtype, self.device)
+            source = self.transport.empty_flat(self._sharded.numel(), self._gather.dtype)
             if cuda:
                 assert streams is not None
                 streams.side_waits_compute(streams.pre_unshard)
@@ -414,13 +425,13 @@ class FlatParamHandle(UnitGradients):
             streams.side_waits_compute(streams.unshard)
             streams.wait(cast_done, streams.unshard)
             with streams.on(streams.unshard):
-                pending = comm.all_gather_flat(self._gather, source, self.shard_group, where=self.where)
+                pending = self.transport.all_gather(self._gather, source, self.where)
                 pending.wait()  # the unshard stream (not the CPU) waits for the collective
-                self._pending_unshard = comm.InFlight(pending, streams.record(streams.unshard), source)
+                self._pending_unshard = InFlight(pending, streams.record(streams.unshard), source)
                 self._gather_label = pending.label  # what the limiter's wait on this buffer waits for
         else:
-            pending = comm.all_gather_flat(self._gather, source, self.shard_group, where=self.where)
-            self._pending_unshard = comm.InFlight(pending, None, source)
+            pending = self.transport.all_gather(self._gather, source, self.where)
+            self._pending_unshard = InFlight(pending, None, source)
 
     def wait_unshard(self, streams: CommContext | None = None) -> None:
         """Block the compute stream (CUDA) or the CPU (gloo) until the gather has landed."""
@@ -439,7 +450,7 @@ class FlatParamHandle(UnitGradients):
         self.wait_unshard(streams)  # never free a buffer a collective may still write (unused prefetch)
         self.use_sharded_views()
         if not self._gather_is_shard:
-            memory.free_storage(self._gather)
+            self.transport.free_gathered(self._gather)
             if limiter is not None and streams is not None and self.shard_world > 1:
                 limiter.record_free(streams.record, self._gather_label)
         self.state = HandleState.SHARDED

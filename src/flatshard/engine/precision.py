@@ -26,7 +26,6 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
-from weakref import WeakKeyDictionary
 
 import torch
 import torch.nn as nn
@@ -44,8 +43,9 @@ __all__ = [
     "reduce_divisors",
 ]
 
-# module -> {buffer name: dtype before cast_buffers}; weak, so dropped modules leave nothing behind.
-_ORIGINAL_BUFFER_DTYPES: WeakKeyDictionary[nn.Module, dict[str, torch.dtype]] = WeakKeyDictionary()
+# On a module whose buffers cast_buffers cast: {buffer name: its dtype before}; the module keeps it, so it goes
+# (and is copied) with the module.
+BUFFER_DTYPES_ATTR = "_flatshard_buffer_dtypes"
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ def cast_buffers(root: nn.Module, dtype: torch.dtype | None, skip: set[nn.Module
         for name, buf in m._buffers.items():
             if buf is None or not buf.is_floating_point() or buf.dtype == dtype:
                 continue
-            _ORIGINAL_BUFFER_DTYPES.setdefault(m, {}).setdefault(name, buf.dtype)
+            m.__dict__.setdefault(BUFFER_DTYPES_ATTR, {}).setdefault(name, buf.dtype)
             m._buffers[name] = buf.to(dtype)
 
 
@@ -157,6 +157,6 @@ def original_buffer_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
     """State-dict key -> original dtype, for every buffer :func:`cast_buffers` cast under ``root``."""
     out: dict[str, torch.dtype] = {}
     for prefix, m in root.named_modules(remove_duplicate=False):
-        for name, dtype in _ORIGINAL_BUFFER_DTYPES.get(m, {}).items():
+        for name, dtype in m.__dict__.get(BUFFER_DTYPES_ATTR, {}).items():
             out[f"{prefix}.{name}" if prefix else name] = dtype
     return out

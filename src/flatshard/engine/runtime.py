@@ -69,7 +69,6 @@ from __future__ import annotations
 import enum
 import functools
 import logging
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -87,7 +86,7 @@ from flatshard.engine.config import BackwardPrefetch, ShardOptions
 from flatshard.engine.exec_order import ExecOrder
 from flatshard.engine.handle import FlatParamHandle, HandleState
 from flatshard.engine.precision import cast_floating
-from flatshard.engine.transport import memory
+from flatshard.engine.transport.interface import Transport
 from flatshard.engine.transport.limiter import AllGatherLimiter
 from flatshard.engine.transport.streams import CommContext
 from flatshard.engine.unfilled import BufferMark, UnfilledError, unfilled_message
@@ -98,8 +97,8 @@ __all__ = [
     "Summoned",
     "TrainingState",
     "UnitState",
-    "all_units",
     "begin_backward_in_forward",
+    "enclosing_units",
     "forward_call",
     "get_unit_state",
     "raise_if_unfilled",
@@ -110,7 +109,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 STATE_ATTR = "_flatshard_state"
-_UNITS: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every unit's module (see all_units)
+# On every module under a shard() call: the UnitState of the outermost module shard() was called on above it
+# (see enclosing_units); kept by the module itself, so it goes with the model.
+ROOT_ATTR = "_flatshard_root"
 
 # Gradient reductions in flight while a unit's backward runs: one overlaps the next unit's backward. It is
 # finished before the next unit's gradient is taken, so one unsharded gradient is alive at a time; each
@@ -139,6 +140,8 @@ class RootContext:
         self.root = root
         self.states = states  # every unit under the root, root first, in .modules() order
         self.handles = [h for s in states for h in s.handles]
+        # the transports of its units (one, unless nested shard() calls used other groups or devices)
+        self.transports: list[Transport] = list({id(h.transport): h.transport for h in self.handles}.values())
         device = next((h.device for h in self.handles), torch.device("cpu"))
         self.streams = CommContext(device)
         # Two units' buffers in flight (see [Note: rate limiter]): a unit holding parameters of several dtypes
@@ -217,7 +220,13 @@ class RootContext:
                 continue
             state.reshard()
             state.training_state = TrainingState.IDLE
-        memory.freed_blocks.clear()  # see [Note: reusing freed blocks]
+        self.release_blocks()
+
+    def release_blocks(self) -> None:
+        """The pass is over: the transports return the gathered blocks they kept (see [Note: reusing freed
+        blocks])."""
+        for transport in self.transports:
+            transport.release_blocks()
 
 
 def _used_anywhere(handles: list[FlatParamHandle]) -> list[list[bool]]:
@@ -378,7 +387,6 @@ class UnitState:
         self.ctx: RootContext | None = None
         self._hook_handles: list[Any] = []
         self._register_hooks()
-        _UNITS.add(module)
 
     @property
     def is_root(self) -> bool:
@@ -577,11 +585,11 @@ class UnitState:
         if not keep:
             self.reshard()
             if not self.is_root and (not self._tracked or ctx.order.next_forward(self) is None):
-                memory.freed_blocks.clear()  # no gather follows in this forward: see [Note: reusing freed blocks]
+                ctx.release_blocks()  # no gather follows in this forward
         if self.is_root and self._tracked:
             ctx.order.finish_forward()
         if self.is_root:
-            memory.freed_blocks.clear()  # the pass is over: see [Note: reusing freed blocks]
+            ctx.release_blocks()  # the pass is over
         return output
 
     def _check_summoned_forward(self) -> None:
@@ -691,9 +699,16 @@ def raise_if_unfilled(states: list[UnitState], what: str) -> None:
         raise UnfilledError(unfilled_message(names, what))
 
 
-def all_units() -> list[nn.Module]:
-    """Every module that is a unit, in this process (weakly held: a dropped model leaves the list)."""
-    return list(_UNITS)
+def enclosing_units(module: nn.Module) -> list[UnitState]:
+    """The units whose module is ``module`` or contains it, outermost first (none for a module that no
+    ``shard()`` call covered)."""
+    top = module.__dict__.get(ROOT_ATTR)
+    if not isinstance(top, UnitState):
+        return []
+    found = [(s, sum(1 for _ in s.module.modules())) for s in unit_states(top.module)]
+    inside = [(s, n) for s, n in found if any(m is module for m in s.module.modules())]
+    inside.sort(key=lambda pair: -pair[1])
+    return [s for s, _ in inside]
 
 
 def get_unit_state(module: nn.Module) -> UnitState | None:

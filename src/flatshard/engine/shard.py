@@ -22,7 +22,7 @@ from flatshard.engine.precision import (
     full_precision_modules,
     keep_full_precision,
 )
-from flatshard.engine.runtime import STATE_ATTR, UnitState, get_unit_state, unit_states
+from flatshard.engine.runtime import ROOT_ATTR, STATE_ATTR, UnitState, get_unit_state, unit_states
 from flatshard.engine.setup.activation_checkpointing import CheckFn, apply_activation_checkpointing
 from flatshard.engine.setup.materialize import (
     Initializers,
@@ -36,6 +36,7 @@ from flatshard.engine.setup.wrap import plan_units, select_unit_modules
 from flatshard.engine.step.whole_tensor import install_hooks, register_whole_tensor_optimizer
 from flatshard.engine.transport import comm, memory, shm, watchdog
 from flatshard.engine.transport.env import check_environment
+from flatshard.engine.transport.interface import Transport
 from flatshard.engine.unfilled import BufferMark
 
 __all__ = ["is_sharded", "no_sync", "shard"]
@@ -153,6 +154,10 @@ def shard(
     inits = Initializers.of(module) if deferred else Initializers()
     made = Materialized()  # what nothing gave values: see [Note: unfilled tensors]
     keep_meta = sync_group is None  # else rank 0's values are broadcast into full storage
+    # one transport for the model: the one of the units sharded before, if it serves these groups
+    inner = [h.transport for s in map(get_unit_state, finished) if s is not None for h in s.handles]
+    transport = next((t for t in inner if t.serves(shard_group, replicate_group, target)), None)
+    transport = transport or Transport(shard_group, replicate_group, target)
     all_handles: list[FlatParamHandle] = []
     for plan in plans:
         if deferred:  # see [Note: materializing unit by unit]
@@ -169,6 +174,7 @@ def shard(
                 offload=opts.cpu_offload,
                 precision=UnitPrecision.resolve(None if plan.module in full_precision_set else mp, dtype),
                 unfilled=made.params,
+                transport=transport,
             )
             for dtype, members in _by_dtype(plan.params).items()
         ]
@@ -192,6 +198,9 @@ def shard(
     if opts.activation_checkpointing_policy is not None:
         _checkpoint_inside_units(module, opts.activation_checkpointing_policy, ignored)
     seal_enclosing_forwards(module)  # see [Note: torch.compile]
+    top = get_unit_state(module)
+    for m in module.modules():  # what register_forward_method looks up: see enclosing_units
+        m.__dict__[ROOT_ATTR] = top
     memory.trim_heap()  # see [Note: returning the replaced parameters]
     return module
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from flatshard.engine.runtime import UnitState, all_units, forward_call, get_unit_state
+from flatshard.engine.runtime import UnitState, enclosing_units, forward_call
 
 __all__ = ["is_forward_method", "register_forward_method", "register_generate"]
 
@@ -81,9 +81,7 @@ class _ForwardMethod:
 
 def _enclosing_units(module: nn.Module) -> list[UnitState]:
     """The units whose module is ``module`` or contains it, outermost first."""
-    found = [(u, sum(1 for _ in u.modules())) for u in all_units() if any(m is module for m in u.modules())]
-    found.sort(key=lambda pair: -pair[1])
-    return [s for u, _ in found for s in [get_unit_state(u)] if s is not None]
+    return enclosing_units(module)
 
 
 def register_forward_method(module: nn.Module, name: str, *, keep_gathered: bool = True) -> None:

@@ -21,7 +21,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from flatshard.engine.handle import handle_of_param
 
@@ -35,7 +34,9 @@ __all__ = [
     "standing_in",
 ]
 
-_STAND_INS = WeakIdKeyDictionary()  # Parameter -> its stand-in, keyed by identity, dropped with the parameter
+# A parameter's stand-in, in the parameter's own __dict__: it goes with the parameter (copies made by deepcopy
+# have none).
+_STAND_IN_ATTR = "_flatshard_stand_in"
 
 
 def live_piece(param: torch.Tensor) -> torch.Tensor:
@@ -49,7 +50,8 @@ def live_piece(param: torch.Tensor) -> torch.Tensor:
 
 def stand_in(param: torch.Tensor) -> torch.Tensor | None:
     """The tensor standing in for ``param``'s live piece in saved state, if any (see [Note: stand-ins])."""
-    return _STAND_INS.get(param)  # type: ignore[no-any-return]
+    found = param.__dict__.get(_STAND_IN_ATTR)
+    return found if isinstance(found, torch.Tensor) else None
 
 
 def live_pieces(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -84,9 +86,9 @@ def set_stand_ins(params: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
     """Let ``values[i]`` (shaped like the live piece) stand in for ``params[i]``; ``None``: remove theirs."""
     for i, p in enumerate(params):
         if values is None:
-            _STAND_INS.pop(p, None)
+            p.__dict__.pop(_STAND_IN_ATTR, None)
         else:
-            _STAND_INS[p] = values[i]
+            p.__dict__[_STAND_IN_ATTR] = values[i]
 
 
 @contextmanager
@@ -99,6 +101,6 @@ def standing_in(params: Sequence[torch.Tensor], values: Sequence[torch.Tensor] |
     finally:
         for p, value in zip(params, before, strict=True):
             if value is None:
-                _STAND_INS.pop(p, None)
+                p.__dict__.pop(_STAND_IN_ATTR, None)
             else:
-                _STAND_INS[p] = value
+                p.__dict__[_STAND_IN_ATTR] = value

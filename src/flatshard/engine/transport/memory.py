@@ -9,15 +9,13 @@ compute time. Asking for transparent huge pages (``madvise(MADV_HUGEPAGE)``) on 
 anything touches it, makes each fault bring in 2 MiB: 512x fewer faults, measured at about half the
 step time on that model (``docs/benchmarks.md``). It is a hint: peak memory does not change, and where
 the kernel has huge pages disabled (``/sys/kernel/mm/transparent_hugepage/enabled`` = ``never``), on other
-systems, or for CUDA tensors it does nothing. ``FLATSHARD_CPU_HUGEPAGES=0`` turns it off (see [Note:
-environment switches]).
+systems, or for CUDA tensors it does nothing (setting that file to ``never`` is how to turn it off).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import errno
 import functools
 import mmap
 import sys
@@ -25,16 +23,14 @@ import threading
 
 import torch
 
-from flatshard.engine.transport.env import env_flag, env_int
-
 __all__ = [
+    "FreedBlocks",
     "Prefaulter",
     "advise_hugepages",
     "alloc_storage",
     "empty_flat",
     "empty_mapped",
     "free_storage",
-    "freed_blocks",
     "libc",
     "trim_heap",
 ]
@@ -71,8 +67,6 @@ def _libc_madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 @functools.cache
 def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """libc's ``madvise`` when huge pages can be requested on this system, else ``None``."""
-    if not env_flag("FLATSHARD_CPU_HUGEPAGES"):
-        return None
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             mode = f.read()
@@ -136,7 +130,7 @@ def _mappable(nbytes: int) -> bool:
     return nbytes >= _MIN_BYTES and sys.platform.startswith("linux")
 
 
-class _FreedBlocks:
+class FreedBlocks:
     """Gathered-parameter blocks freed in this pass, kept for the next gather of the same size.
 
     [Note: reusing freed blocks]
@@ -150,7 +144,8 @@ class _FreedBlocks:
     passes it is not: the runtime empties the pool (:meth:`clear`) after the last unit of a forward (by the
     recorded execution order; after every untracked forward), when a root's forward returns and at the end of
     backward, so the head and loss computed after the last unit, the optimizer step and everything between
-    steps find the memory returned. ``FLATSHARD_CPU_REUSE=0`` turns it off (see [Note: environment switches]).
+    steps find the memory returned. The pool belongs to the root's transport (see [Note: the transport
+    interface]) and goes with it; ``capacity=0`` keeps nothing.
     """
 
     def __init__(self, capacity: int = 2) -> None:
@@ -160,7 +155,7 @@ class _FreedBlocks:
         self.reused = 0  # blocks taken from the pool (for tests and benchmarks)
 
     def give(self, block: torch.UntypedStorage) -> None:
-        if self.capacity < 1 or not env_flag("FLATSHARD_CPU_REUSE"):
+        if self.capacity < 1:
             return  # dropped by the caller: unmapped
         with self._lock:
             self._blocks.append(block)
@@ -182,14 +177,11 @@ class _FreedBlocks:
         return len(self._blocks)
 
 
-freed_blocks = _FreedBlocks()
-
-
-def alloc_storage(t: torch.Tensor) -> None:
+def alloc_storage(t: torch.Tensor, kept: FreedBlocks | None = None) -> None:
     """Give ``t`` (whose storage was freed with :func:`free_storage`) storage for all its elements again.
 
-    A large CPU block gets a mapping of its own (one just freed, if one of that size is kept: see [Note:
-    reusing freed blocks]), swapped into the existing storage object, so every view of it (as autograd
+    A large CPU block gets a mapping of its own (one just freed, if ``kept`` holds one of that size: see
+    [Note: reusing freed blocks]), swapped into the existing storage object, so every view of it (as autograd
     saved them) uses the new memory and :func:`free_storage` can unmap it.
     """
     nbytes = t.numel() * t.element_size()
@@ -197,9 +189,9 @@ def alloc_storage(t: torch.Tensor) -> None:
     if storage.nbytes() == nbytes:
         return
     if t.device.type == "cpu" and _CAN_SWAP and _mappable(nbytes) and storage.nbytes() == 0:
-        kept = freed_blocks.take(nbytes)
-        if kept is not None:
-            storage._swap_data_ptr_(kept)  # type: ignore[attr-defined]
+        block = kept.take(nbytes) if kept is not None else None
+        if block is not None:
+            storage._swap_data_ptr_(block)  # type: ignore[attr-defined]
             return
         fresh = empty_mapped((nbytes,), torch.uint8)
         storage._swap_data_ptr_(fresh.untyped_storage())  # type: ignore[attr-defined]
@@ -208,15 +200,17 @@ def alloc_storage(t: torch.Tensor) -> None:
     advise_hugepages(t)
 
 
-def free_storage(t: torch.Tensor) -> None:
-    """Release ``t``'s storage, keeping the storage object (views saved by autograd keep pointing at it)."""
+def free_storage(t: torch.Tensor, kept: FreedBlocks | None = None) -> None:
+    """Release ``t``'s storage, keeping the storage object (views saved by autograd keep pointing at it); a
+    mapped block goes to ``kept`` for the next gather of its size, or is unmapped."""
     storage = t.untyped_storage()
     if storage.nbytes() == 0:
         return
     if not storage.resizable():  # a mapping put there by alloc_storage
         empty = torch.UntypedStorage(0, device=t.device)
         storage._swap_data_ptr_(empty)  # type: ignore[attr-defined]
-        freed_blocks.give(empty)  # now the mapping: kept for the next gather, or unmapped when dropped
+        if kept is not None:
+            kept.give(empty)  # now the mapping: kept for the next gather, or unmapped when dropped
         del empty
         return
     storage.resize_(0)
@@ -248,8 +242,7 @@ class Prefaulter:
     that costs more than copying the data in. ``madvise(MADV_POPULATE_WRITE)`` backs a whole range in one
     call, without the per-page traps, and releases the GIL, so a helper thread populates the outputs
     ahead of the copies that fill them. Whichever touches a page first faults it; the contents never
-    change, so nothing waits on the thread. Linux >= 5.14 only (elsewhere, or with
-    ``FLATSHARD_PREFAULT=0``, it does nothing).
+    change, so nothing waits on the thread. Linux >= 5.14 only (elsewhere it does nothing).
 
     The outputs deliberately get ordinary pages, not huge pages (see [Note: huge pages for CPU buffers]):
     measured on the VM of ``docs/benchmarks.md``, backing 2.3 GB with 4 KiB pages right after the process
@@ -259,16 +252,13 @@ class Prefaulter:
     per page there) costs the same either way; the threads spread it over the cores.
     """
 
-    _supported = True  # cleared for the process when the kernel refuses MADV_POPULATE_WRITE
     _PIECE = 32 << 20  # madvise granularity: the unit of work of a thread, and how long close() waits
 
-    def __init__(self, threads: int | None = None) -> None:
-        if threads is None:
-            threads = env_int("FLATSHARD_PREFAULT_THREADS")
-        elif isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+    def __init__(self, threads: int = 2) -> None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(
-                f"Prefaulter(threads={threads!r}): the number of helper threads must be an int >= 1. HINT: pass "
-                "None for FLATSHARD_PREFAULT_THREADS or its default (2)."
+                f"Prefaulter(threads={threads!r}): the number of helper threads must be an int >= 1. HINT: leave "
+                "it at its default (2)."
             )
         self._tensors: list[torch.Tensor] = []
         self._pieces: list[tuple[int, int]] = []
@@ -277,10 +267,10 @@ class Prefaulter:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._count = threads
-        self._fn = _libc_madvise() if env_flag("FLATSHARD_PREFAULT") else None
+        self._fn = _populate()
 
     def add(self, t: torch.Tensor) -> None:
-        if self._fn is None or not Prefaulter._supported or t.device.type != "cpu":
+        if self._fn is None or t.device.type != "cpu":
             return
         storage = t.untyped_storage()
         if storage.nbytes() < _MIN_BYTES:
@@ -322,6 +312,19 @@ class Prefaulter:
                     return
                 start, n = self._pieces[self._next]
                 self._next += 1
-            if fn(start, n, _MADV_POPULATE_WRITE) != 0 and ctypes.get_errno() == errno.EINVAL:
-                Prefaulter._supported = False  # an older kernel: the copies fault as usual
-                return
+            fn(start, n, _MADV_POPULATE_WRITE)  # a failure leaves the pages to the copies' faults
+
+
+@functools.cache
+def _populate() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """libc's ``madvise`` when this kernel backs pages with ``MADV_POPULATE_WRITE`` (Linux >= 5.14, probed once
+    on a page of its own), else ``None``."""
+    fn = _libc_madvise()
+    if fn is None:
+        return None
+    block = mmap.mmap(-1, _PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = ctypes.c_char.from_buffer(block)
+    ok = fn(ctypes.addressof(view), _PAGE, _MADV_POPULATE_WRITE) == 0
+    del view  # the buffer's export: the mapping closes once it is gone
+    block.close()
+    return fn if ok else None
