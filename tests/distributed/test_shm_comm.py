@@ -68,10 +68,8 @@ def _run_both_transports(rank: int, world: int, strategy: str) -> None:
     os.environ["FLATSHARD_SHM"] = "0"
     assert shm.shm_group(gloo_pg) is None
     del os.environ["FLATSHARD_SHM"]
-    os.environ["FLATSHARD_SHM_DIRECT"] = "0"  # all-gathers through the slots, not reading peers directly
-    slots = shm.shm_group(slots_pg)
+    slots = shm.shm_group(slots_pg, direct=False)  # all-gathers through the slots, not reading peers directly
     assert slots is not None and not slots.direct
-    del os.environ["FLATSHARD_SHM_DIRECT"]
     models = {
         name: flatshard.shard(
             copy.deepcopy(reference), sharding_strategy=strategy, auto_wrap_policy={Block}, process_group=pg
@@ -127,9 +125,7 @@ def test_every_rank_falls_back_to_gloo_together(sabotage: str) -> None:
 def _direct_reads(rank: int, world: int, refuse: int | None) -> bool:
     """Whether the group reads peers directly, when rank ``refuse`` cannot; an all-gather is right either way."""
     torch.set_num_threads(1)
-    if rank == refuse:
-        os.environ["FLATSHARD_SHM_DIRECT"] = "0"
-    group = shm.shm_group(None)
+    group = shm.shm_group(None, direct=rank != refuse)
     assert group is not None
     for n in (5, (3 << 20) + 7):  # less than a slot, more than one
         shard = torch.arange(n, dtype=torch.float32) + rank * n

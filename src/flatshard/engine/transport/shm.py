@@ -46,8 +46,8 @@ asynchronous collective: its input is left alone until the work completes). Two 
 two waits per all-gather instead of one per slot; measured on the 2-core VM of ``docs/benchmarks.md``, a 50 MB
 all-gather of 2 ranks took 3.3 ms instead of 5.5. Reads from huge pages run near ``memcpy`` speed, so shards
 ask for them (4 KiB pages read at half that). Where a security policy forbids it (Yama's ``ptrace_scope`` of
-1 or more between sibling processes, a seccomp profile), or with ``FLATSHARD_SHM_DIRECT=0``, the slots are
-used; reduce-scatters and all-reduces always use them.
+1 or more between sibling processes, a seccomp profile), the slots are used; reduce-scatters and all-reduces
+always use them.
 
 [Note: segments without names]
 A file in ``/dev/shm`` lives until someone unlinks it, and a process killed by SIGKILL unlinks nothing: a
@@ -562,7 +562,7 @@ class ShmGroup:
                 raise RuntimeError(
                     f"[rank {self._global_ranks[self.rank]}] reading rank {self._global_ranks[r]}'s part of {what} "
                     f"(pid {self._pids[r]}) failed: {os.strerror(err) if err else 'no bytes read'}. HINT: if that "
-                    "rank exited, see its output; set FLATSHARD_SHM_DIRECT=0 to copy through shared memory instead."
+                    "rank exited, see its output; set FLATSHARD_SHM=0 to use the process group's backend instead."
                 )
             done += got
 
@@ -620,10 +620,10 @@ def _process_vm_readv() -> Callable[..., int] | None:
     return fn  # type: ignore[no-any-return]
 
 
-def _agree_on_direct_reads(group: ShmGroup, pg: ProcessGroup, own: Segment) -> bool:
+def _agree_on_direct_reads(group: ShmGroup, pg: ProcessGroup, own: Segment, wanted: bool) -> bool:
     """Collective: whether every rank of ``pg`` can read every peer's memory (see [Note: reading peers
-    directly]). Each rank reads a word of each peer's segment through its peer's address space."""
-    read = _process_vm_readv() if env_flag("FLATSHARD_SHM_DIRECT") else None
+    directly]), and wants to. Each rank reads a word of each peer's segment through its peer's address space."""
+    read = _process_vm_readv() if wanted else None
     assert own.bytes is not None
     addresses: list[Any] = [None] * group.world
     dist.all_gather_object(addresses, own.bytes.data_ptr(), group=pg)
@@ -742,23 +742,26 @@ def _open_peer(entry: dict[str, Any], nbytes: int) -> Segment:
     return seg
 
 
-def shm_group(group: ProcessGroup | None, slot_bytes: int | None = None) -> ShmGroup | None:
+def shm_group(
+    group: ProcessGroup | None, slot_bytes: int | None = None, direct: bool = True
+) -> ShmGroup | None:
     """The shared-memory transport of ``group`` (``None``: the default group), set up on first use.
 
     Collective on first call for a group: every rank of the group must call it at the same point (``shard()``
     does, for its groups). Returns ``None`` where the group's backend must be used (see [Note: shared-memory
     collectives]). The channel belongs to the group's state and is closed with it (see [Note: state per
-    process group]).
+    process group]). ``slot_bytes`` and ``direct`` (``False``: all-gathers copy through the slots even where
+    peers' memory can be read, see [Note: reading peers directly]) apply to the first call, which sets it up.
     """
     state = state_of(group)
     if not state.channel_agreed:
         pg = group if group is not None else dist.group.WORLD
-        state.channel = _setup(pg, slot_bytes or DEFAULT_SLOT_BYTES)
+        state.channel = _setup(pg, slot_bytes or DEFAULT_SLOT_BYTES, direct)
         state.channel_agreed = True
     return state.channel
 
 
-def _setup(pg: ProcessGroup, slot_bytes: int) -> ShmGroup | None:
+def _setup(pg: ProcessGroup, slot_bytes: int, direct: bool) -> ShmGroup | None:
     world = dist.get_world_size(pg)
     if world == 1:
         return None
@@ -771,5 +774,5 @@ def _setup(pg: ProcessGroup, slot_bytes: int) -> ShmGroup | None:
     global_ranks = [dist.get_global_rank(pg, r) for r in range(world)]
     pids = [e["pid"] for e in everyone]
     group = ShmGroup(dist.get_rank(pg), world, own, peers, pids, global_ranks, slot_bytes, DEFAULT_TIMEOUT_S)
-    group.direct = _agree_on_direct_reads(group, pg, own)
+    group.direct = _agree_on_direct_reads(group, pg, own, direct)
     return group
