@@ -515,12 +515,15 @@ WRITERS = [
     "unshard_params writeback rank0_only",
     "module.load_state_dict",
     "data write with increment_version",
+    "EMA.swap in and out",
 ]
 REWINDS = ("load_checkpoint full", "load_checkpoint sharded", "load_pretrained")
+UNCHANGED = ("EMA.swap in and out",)  # writes the values they found: still seen, so sent again
 
 
 def _write(name: str, model: nn.Module, rank: int, folder: str, save: bool) -> None:
-    """The writer ``name`` (with ``save``: what a rewind saves the step before): scales every weight by 0.9."""
+    """The writer ``name`` (with ``save``: what a rewind saves the step before): scales every weight by 0.9, puts
+    back what was saved, or (UNCHANGED) writes what is there."""
     from flatshard.engine.state.sharded import ParamShard
 
     path = f"{folder}/{name.replace(' ', '_')}"
@@ -546,6 +549,10 @@ def _write(name: str, model: nn.Module, rank: int, folder: str, save: bool) -> N
             if rank == 0 or not rank0_only:
                 for p in model.parameters():
                     p.mul_(0.9)
+    elif name == "EMA.swap in and out":
+        ema = flatshard.EMA(model, 0.9)  # its average starts as the weights
+        ema.swap()
+        ema.swap()
     elif name == "module.load_state_dict":
         model.load_state_dict({k: v.detach() * 0.9 for k, v in model.state_dict().items()})
     else:  # the data write, then what torch asks of writers it does not see
@@ -602,7 +609,7 @@ def test_every_writer_of_pieces_makes_the_owners_take_new_values(tmp_path: Any) 
             _step(model, opt, step, slice(None))
             step += 1
             model.load_state_dict(saved)
-        elif name in WRITERS:
+        elif name in WRITERS and name not in UNCHANGED:
             with torch.no_grad():
                 for p in model.parameters():
                     p.mul_(0.9)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from flatshard.engine.step.whole_exchange import Entry, agree_on, from_owners, to_owners
-from flatshard.engine.step.whole_plan import WholeState, WholeTensorPlan, existing_plan, plan_for
+from flatshard.engine.step.whole_plan import WholeGroup, WholeState, WholeTensorPlan, existing_plan, plan_for
 from flatshard.engine.step.whole_tensor import is_whole_tensor_optimizer
 from flatshard.engine.transport import watchdog
 
@@ -57,71 +57,10 @@ def states_as_pieces(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         return
     stashed: dict[int, tuple[torch.nn.Parameter, dict[str, Any] | None]] = {}
     whole_keys: set[tuple[int, str]] = set()
-    for g in plan.groups:
-        meta: dict[int, dict[str, Any]] = {}
-        for n, q in enumerate(g.params):
-            state = optimizer.state.get(q.param) if q.owned else None
-            if not state:
-                continue
-            entry: dict[str, Any] = {}
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.shape == q.shape and value.dim() > 0:
-                    entry[key] = ("piece", value.dtype)
-                elif isinstance(value, torch.Tensor) and value.dim() > 0:
-                    entry[key] = ("whole", value.dtype, tuple(value.shape))
-                else:
-                    entry[key] = ("value", value)
-            meta[n] = entry
-        merged: list[dict[int, dict[str, Any]]] = [{} for _ in range(g.world)]
-        dist.all_gather_object(merged, meta, group=g.group)
-        everyone = {n: e for part in merged for n, e in part.items()}
-        dtypes = sorted(
-            {kind[1] for e in everyone.values() for kind in e.values() if kind[0] == "piece"}, key=str
-        )
-        pieces: dict[tuple[int, str], torch.Tensor] = {}
-        for dtype in dtypes:
-            keyed = [
-                (n, key)
-                for n, e in sorted(everyone.items())
-                for key, kind in sorted(e.items())
-                if kind[0] == "piece" and kind[1] == dtype
-            ]
-            entries: list[Entry] = [
-                (
-                    g.params[n],
-                    optimizer.state[g.params[n].param][key].reshape(-1) if g.params[n].owned else None,
-                )
-                for n, key in keyed
-            ]
-            for k, piece in from_owners(g, entries, dtype, "optimizer state pieces for a save").items():
-                pieces[keyed[k]] = piece.to(g.params[keyed[k][0]].handle.sharded.device)
-        for n, e in sorted(everyone.items()):  # other shapes: the owner's tensor, replicated
-            q = g.params[n]
-            for key, kind in sorted(e.items()):
-                if kind[0] != "whole":
-                    continue
-                mine = optimizer.state[q.param][key] if q.owned else None
-                box = (
-                    mine.to(g.device)
-                    if mine is not None
-                    else torch.empty(kind[2], dtype=kind[1], device=g.device)
-                )
-                work = dist.broadcast(
-                    box, src=dist.get_global_rank(g.group, q.owner), group=g.group, async_op=True
-                )
-                watchdog.wait_collective(
-                    work, "broadcast of whole optimizer state for a save", g.group, "broadcast"
-                )
-                pieces[(n, key)] = mine if mine is not None else box.to(q.handle.sharded.device)
-                whole_keys.add((id(q.param), key))
-        for n, e in everyone.items():
-            q = g.params[n]
-            stashed[id(q.param)] = (q.param, optimizer.state.get(q.param) if q.owned else None)
-            optimizer.state[q.param] = {
-                key: pieces[(n, key)] if kind[0] in ("piece", "whole") else kind[1] for key, kind in e.items()
-            }
-    plan.saving_whole = whole_keys
-    try:
+    try:  # the owners' whole state comes back even if a collective of the conversion raised
+        for g in plan.groups:
+            _group_as_pieces(optimizer, g, stashed, whole_keys)
+        plan.saving_whole = whole_keys
         yield
     finally:
         plan.saving_whole = set()
@@ -130,6 +69,78 @@ def states_as_pieces(optimizer: torch.optim.Optimizer) -> Iterator[None]:
                 optimizer.state[p] = whole
             else:
                 optimizer.state.pop(p, None)
+
+
+def _group_as_pieces(
+    optimizer: torch.optim.Optimizer,
+    g: WholeGroup,
+    stashed: dict[int, tuple[torch.nn.Parameter, dict[str, Any] | None]],
+    whole_keys: set[tuple[int, str]],
+) -> None:
+    """One shard group's part of :func:`states_as_pieces`: the owners' state in ``stashed``, pieces (and
+    replicated tensors of other shapes, noted in ``whole_keys``) in the optimizer's state."""
+    meta: dict[int, dict[str, Any]] = {}
+    for n, q in enumerate(g.params):
+        state = optimizer.state.get(q.param) if q.owned else None
+        if not state:
+            continue
+        entry: dict[str, Any] = {}
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.shape == q.shape and value.dim() > 0:
+                entry[key] = ("piece", value.dtype)
+            elif isinstance(value, torch.Tensor) and value.dim() > 0:
+                entry[key] = ("whole", value.dtype, tuple(value.shape))
+            else:
+                entry[key] = ("value", value)
+        meta[n] = entry
+    merged: list[dict[int, dict[str, Any]]] = [{} for _ in range(g.world)]
+    dist.all_gather_object(merged, meta, group=g.group)
+    everyone = {n: e for part in merged for n, e in part.items()}
+    dtypes = sorted(
+        {kind[1] for e in everyone.values() for kind in e.values() if kind[0] == "piece"}, key=str
+    )
+    pieces: dict[tuple[int, str], torch.Tensor] = {}
+    for dtype in dtypes:
+        keyed = [
+            (n, key)
+            for n, e in sorted(everyone.items())
+            for key, kind in sorted(e.items())
+            if kind[0] == "piece" and kind[1] == dtype
+        ]
+        entries: list[Entry] = [
+            (
+                g.params[n],
+                optimizer.state[g.params[n].param][key].reshape(-1) if g.params[n].owned else None,
+            )
+            for n, key in keyed
+        ]
+        for k, piece in from_owners(g, entries, dtype, "optimizer state pieces for a save").items():
+            pieces[keyed[k]] = piece.to(g.params[keyed[k][0]].handle.sharded.device)
+    for n, e in sorted(everyone.items()):  # other shapes: the owner's tensor, replicated
+        q = g.params[n]
+        for key, kind in sorted(e.items()):
+            if kind[0] != "whole":
+                continue
+            mine = optimizer.state[q.param][key] if q.owned else None
+            box = (
+                mine.to(g.device)
+                if mine is not None
+                else torch.empty(kind[2], dtype=kind[1], device=g.device)
+            )
+            work = dist.broadcast(
+                box, src=dist.get_global_rank(g.group, q.owner), group=g.group, async_op=True
+            )
+            watchdog.wait_collective(
+                work, "broadcast of whole optimizer state for a save", g.group, "broadcast"
+            )
+            pieces[(n, key)] = mine if mine is not None else box.to(q.handle.sharded.device)
+            whole_keys.add((id(q.param), key))
+    for n, e in everyone.items():
+        q = g.params[n]
+        stashed[id(q.param)] = (q.param, optimizer.state.get(q.param) if q.owned else None)
+        optimizer.state[q.param] = {
+            key: pieces[(n, key)] if kind[0] in ("piece", "whole") else kind[1] for key, kind in e.items()
+        }
 
 
 def whole_state_keys(optimizer: torch.optim.Optimizer) -> set[tuple[int, str]]:

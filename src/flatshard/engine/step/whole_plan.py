@@ -67,13 +67,11 @@ class WholeParam:
     counts: list[int]  # elements of this parameter in each rank's shard, by group rank
     starts: list[int]  # where each rank's elements begin in the flattened parameter
     state: WholeState = WholeState.PIECE
-    grad_piece: torch.Tensor | None = (
-        None  # outside PIECE: the gradient piece ``.grad`` gets back after the step
-    )
+    # outside PIECE: the gradient piece ``.grad`` gets back after the step
+    grad_piece: torch.Tensor | None = None
     whole: torch.Tensor | None = None  # on the owner: the whole value its last step left (the pieces' source)
-    mark: tuple[int, int, int] | None = (
-        None  # version_mark() as the last step left the piece (None: no step yet)
-    )
+    # version_mark() as the last step left the piece (None: no step yet)
+    mark: tuple[int, int, int] | None = None
 
     @property
     def owned(self) -> bool:
@@ -87,7 +85,9 @@ class WholeParam:
         """What tells that this rank's piece was written: the shard's identity and the version counters of the
         shard (shared by every view of it: an in-place write through ``handle.sharded``, ``piece()`` or a
         ``.detach()`` of either bumps it) and of the parameter (``with torch.no_grad(): p.mul_(...)``). A write
-        through ``p.data`` bumps neither: see 4. of [Note: whole-tensor optimizers]."""
+        through ``p.data`` bumps neither: see 4. of [Note: whole-tensor optimizers]. Any write into the shard moves
+        the marks of all its parameters (a load of one of them, another whole-tensor optimizer's write-back): their
+        values are sent again, never wrongly kept."""
         sharded = self.handle.sharded
         return (id(sharded), sharded._version, self.param._version)
 
@@ -124,9 +124,8 @@ class WholeGroup:
     device: torch.device
     dtype: torch.dtype
     params: list[WholeParam] = field(default_factory=list)
-    digest: int = (
-        0  # of describe(): equal on every rank that planned alike (see whole_exchange.agree_on_step)
-    )
+    # of describe(): equal on every rank that planned alike (see whole_exchange.agree_on_step)
+    digest: int = 0
 
     def describe(self) -> list[tuple[str, tuple[int, ...], int, tuple[int, ...]]]:
         """Each parameter's name, shape, owner and elements on each rank, in order: what the group's all-to-alls
