@@ -1,0 +1,141 @@
+"""The benchmark suite without processes: the contender registry, the command line of every scenario, the JSON
+schema's round trip and checks, and the report's ratios and table."""
+
+from __future__ import annotations
+
+import pytest
+from benchmarks import contenders
+from benchmarks.__main__ import parse
+from benchmarks.report import Column, compute_ratios, table
+from benchmarks.scenarios import SCENARIOS
+from benchmarks.schema import Report, Row, file_stem
+
+
+def _report(rows: list[Row]) -> Report:
+    return Report(
+        scenario="train",
+        preset="cpu-small",
+        variant="lora8",
+        date="2026-11-28T12:00:00+00:00",
+        command="python -m benchmarks train --preset cpu-small --lora 8",
+        machine={"cpu_count": 2},
+        config={"steps": 10},
+        rows=rows,
+    )
+
+
+def _row(name: str, step_s: float, status: str = "ok", **kw: object) -> Row:
+    return Row(
+        name=name,
+        contender=name.split()[0],
+        status=status,
+        metrics={"step_s": step_s, "peak_rss_mib": [100.0, 120.0]},
+        **kw,
+    )  # type: ignore[arg-type]
+
+
+def test_registry_names_families_and_unknown_names() -> None:
+    families = {c.family for c in contenders.REGISTRY.values()}
+    assert families == {"flatshard", "fsdp1", "fsdp2", "ddp", "unsharded", "hf"}
+    assert all(name == c.name and c.description for name, c in contenders.REGISTRY.items())
+    with pytest.raises(ValueError, match="HINT: choose from flatshard"):
+        contenders.get("fsdp3")
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_every_scenario_parses_its_defaults_from_the_registry(scenario: str) -> None:
+    mod, args, cfg, names, variant = parse([scenario])
+    assert set(mod.CONTENDERS) <= set(contenders.REGISTRY)
+    assert names == list(mod.DEFAULT_CONTENDERS) and args.preset == mod.PRESETS[0]
+    assert cfg["repeats"] == 1 and variant == ""
+    assert {c.key.lstrip("÷/") for c in mod.COLUMNS} and mod.__doc__.strip()
+
+
+def test_train_options_name_the_variant_and_reach_the_config() -> None:
+    argv = "train --preset tiny --contenders flatshard,ddp --repeats 3 --lora 8 --optimizer muon"
+    _, _, cfg, names, variant = parse(
+        [*argv.split(), "--world-size", "4", "--d-model", "96", "--micro-batches", "2"]
+    )
+    assert names == ["flatshard", "ddp"] and cfg["repeats"] == 3 and cfg["d_model"] == 96
+    assert cfg["world_size"] == 4 and cfg["lora"] == 8 and cfg["overrides"] == {"d_model": 96}
+    assert variant == "lora8_muon_m2_w4"
+    assert parse(["train", "--variant", "fwd-prefetch"])[4] == "fwd-prefetch"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--contenders", "flatshard,fsdp3"], "unknown \\['fsdp3'\\]. HINT"),
+        (["generate", "--contenders", "fsdp2"], "HINT: generate runs unsharded, flatshard"),
+        (["train", "--base-dtype", "bf16"], "HINT: give --lora R too"),
+        (["train", "--repeats", "0"], "--repeats must be >= 1"),
+        (["memory", "--world-sizes", "2,4"], "--world-sizes: 1 and up to 4"),
+    ],
+)
+def test_bad_command_lines_are_refused_with_a_hint(argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit, match=message):
+        parse(argv)
+
+
+def test_report_round_trips_through_json() -> None:
+    rows = [
+        _row("flatshard", 0.5, check={"ok": True, "against": "ddp"}, runs=[[{"step_s": [0.5, 0.51]}]]),
+        _row("ddp", 1.0),
+        Row(name="fsdp2", contender="fsdp2", status="failed", error="RuntimeError: boom"),
+    ]
+    report = _report(rows)
+    report.ratios = compute_ratios(
+        rows, ("step_s", "peak_rss_mib"), [("flatshard", "ddp"), ("flatshard", "fsdp2")]
+    )
+    again = Report.from_json(report.to_json())
+    assert again == report and again.stem == "train_cpu-small_lora8" == file_stem(
+        "train", "cpu-small", "lora8"
+    )
+    assert again.ratios == {
+        "flatshard ÷ ddp": {"step_s": 0.5, "peak_rss_mib": 1.0}
+    }  # no ratio to a failed row
+    assert again.row("ddp").metrics["peak_rss_mib"] == [100.0, 120.0]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda r: r.rows.append(_row("ddp", 2.0)), "row names repeat"),
+        (lambda r: setattr(r.rows[0], "status", "meh"), "status 'meh'"),
+        (lambda r: setattr(r.rows[0], "status", "failed"), "failed without an error"),
+        (lambda r: setattr(r, "variant", "Lora 8"), "variant 'Lora 8'"),
+        (lambda r: setattr(r, "command", ""), "command is empty"),
+        (lambda r: r.ratios.update({"flatshard ÷ fsdp1": {}}), "names a row that is not in the report"),
+    ],
+)
+def test_schema_violations_are_named(change: object, message: str) -> None:
+    report = _report([_row("flatshard", 0.5), _row("ddp", 1.0)])
+    change(report)  # type: ignore[operator]
+    with pytest.raises(ValueError, match=message):
+        report.to_json()
+    with pytest.raises(ValueError, match="unknown keys"):
+        Report.from_json('{"scenario": "train", "bogus": 1}')
+
+
+def test_table_and_ratios_leave_out_rows_whose_check_failed() -> None:
+    rows = [
+        _row("flatshard", 0.5),
+        _row("ddp", 1.0),
+        _row("fsdp1", 0.25, status="check failed", check={"ok": False, "why": "losses differ"}),
+        Row(name="fsdp2", contender="fsdp2", status="failed", error="Traceback...\nRuntimeError: boom"),
+    ]
+    assert compute_ratios(rows, ("step_s",), [("flatshard", r.name) for r in rows]) == {
+        "flatshard ÷ ddp": {"step_s": 0.5}
+    }
+    text = table(
+        rows,
+        [Column("step s", "step_s"), Column("RSS", "peak_rss_mib", ".0f"), Column("÷", "÷step_s", ".2f")],
+        "flatshard",
+    )
+    lines = text.splitlines()
+    assert (
+        lines[2] == "| flatshard | 0.500 | 100 / 120 | 1 |"
+        and lines[3] == "| ddp | 1.000 | 100 / 120 | 0.50 |"
+    )
+    assert "fsdp1 (CHECK FAILED: losses differ)" in lines[4] and lines[4].endswith("| - |")
+    assert lines[5] == "| fsdp2 | FAILED: RuntimeError: boom |"
