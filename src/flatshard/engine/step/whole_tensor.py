@@ -46,11 +46,13 @@ shard group, its owner, and the optimizer runs there on the whole tensor, unchan
 
    Why counters and not hashing: this module hashed each piece's bytes too, twice per step, which saw ``.data``
    writes as well. Measured on the ``cpu-small`` GPT (Muon on its 32 block matrices, 12.6M elements of pieces per
-   rank, 2 ranks, one thread each): CRC-32 took 17.4 ms per pass over a rank's pieces on an idle core (2.9 GB/s),
-   35 ms per step; 60 to 170 ms per step inside training with both ranks on this 2-core machine, where a step took
-   6.9 to 11 s; the device digest (a positional sum) 64 ms per pass over the same pieces on the CPU. The version
-   marks take 21 us per step. Hashing cost a share of every step that grows with the parameters, for the one kind
-   of write that torch itself leaves unmarked and that ``increment_version`` marks.
+   rank, 2 ranks, one thread each; ``torch.optim.Muon``, AdamW on the rest): CRC-32 took 17.4 ms per pass over a
+   rank's pieces on an idle core (2.9 GB/s), 35 ms per step; inside training, with both ranks on a loaded 2-core
+   machine where a step took 3.1 to 11 s, 50 to 170 ms per step; the device digest (a positional sum) 64 ms per
+   pass over the same pieces on the CPU. The version marks take 21 us per step, and the check of 2. (which
+   replaced the old flag all-reduce) 0.4 to 3.4 ms there, mostly waiting for the other rank. Hashing cost a
+   share of every step that grows with the parameters, for the one kind of write that torch itself leaves
+   unmarked and that ``increment_version`` marks.
 
 Each parameter's :class:`~flatshard.engine.step.whole_plan.WholeState` says where it stands: ``PIECE`` between
 steps, ``WHOLE_ON_OWNER`` on its owner and ``SKIPPED_ON_NON_OWNER`` elsewhere from 2. to 3. Every change goes
