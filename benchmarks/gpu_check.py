@@ -14,7 +14,7 @@ time budget (``--budget-s``, default 570 s, so the whole check ends within 10 mi
    fails the run.
 3. ``pytest_gpu``: ``python -m pytest -m gpu tests/gpu`` (NCCL tests need a GPU per rank; the others run two
    ranks on GPU 0 over gloo when there is only one GPU).
-4. ``step_time``: ``step_time.py --preset cuda-1b`` against FSDP1, FSDP2 and DDP, one rank per GPU. With one
+4. ``step_time``: ``python -m benchmarks train --preset cuda-1b`` against FSDP1, FSDP2 and DDP, one rank per GPU. With one
    GPU that is a single-rank comparison (compute and memory overheads, no communication), recorded as such;
    with tokens/s, MFU (torchtitan's FLOPs-per-token formula against the card's dense bf16 peak) and the
    allocator's peak per phase of one extra step.
@@ -52,8 +52,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_model import REPO
-from bench_output import git_commit, utc_now, write_json
+
+REPO = Path(__file__).resolve().parent.parent
 
 PARTS = ("parity", "sanitizer", "pytest_gpu", "step_time", "step_time_gloo")
 # The longest each part may take (seconds), and the least time worth starting it with.
@@ -68,6 +68,31 @@ RACE_MARK = "CSAN detected a possible data race"
 # ----------------------------------------------------------------------------------------------------------
 # Versions
 # ----------------------------------------------------------------------------------------------------------
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())
+
+
+def write_json(path: Path, report: Any, default: Any = None) -> None:
+    path.write_text(json.dumps(report, indent=2, default=default) + "\n")
+
+
+def git_commit() -> str | None:
+    """The short commit of this tree, and the files under ``src/`` with uncommitted changes."""
+    git = ["git", "-C", str(REPO)]
+    try:
+        rev = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--", "src"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    changed = [line[3:] for line in dirty.stdout.splitlines() if line.strip()]
+    commit = rev.stdout.strip() or None
+    return f"{commit} + uncommitted changes in {', '.join(changed)}" if changed else commit
 
 
 def tested_torch_floor() -> str | None:
@@ -305,14 +330,13 @@ def part_pytest(out: Path, timeout: float) -> dict[str, Any]:
 
 
 def part_step_time(out: Path, timeout: float, args: argparse.Namespace, gloo: bool = False) -> dict[str, Any]:
-    """``step_time.py --preset cuda-1b``: one rank per GPU over NCCL, or (``gloo``) two ranks on GPU 0."""
+    """``python -m benchmarks train --preset cuda-1b``: one rank per GPU over NCCL, or (``gloo``) two on GPU 0."""
     name = "step_time_gloo" if gloo else "step_time"
     gpus = torch.cuda.device_count()
     log = out / f"{name}.log"
     result = out / ("step_time_gloo_2ranks_1gpu.json" if gloo else "step_time_cuda-1b.json")
     per_contender = max(60, int(timeout / max(1, len(args.bench_contenders.split(",")))))
-    cmd = [sys.executable, str(REPO / "benchmarks" / "step_time.py"), "--preset", "cuda-1b"]
-    cmd += GLOO_MODEL if gloo else []
+    cmd = [sys.executable, "-m", "benchmarks", "train", "--preset", "cuda-1b", *(GLOO_MODEL if gloo else [])]
     cmd += ["--steps", str(args.bench_steps), "--warmup", str(args.bench_warmup)]
     cmd += ["--contenders", args.bench_contenders, "--out", str(result), "--timeout", str(per_contender)]
     run = run_logged(cmd, log, timeout)
@@ -327,25 +351,25 @@ def part_step_time(out: Path, timeout: float, args: argparse.Namespace, gloo: bo
             "nothing is communicated"
         )
     details: dict[str, Any] = {"result": result.name, "world_size": 2 if gloo else gpus, "scope": scope}
+    rows = {r["name"]: r for r in (report or {}).get("rows", [])}
     if report:
         details["contenders"] = {
-            contender: {
-                "status": r.get("status"),
-                "median_step_s": r.get("median_step_s"),
-                "tokens_per_s": r.get("tokens_per_s"),
-                "mfu": r.get("mfu"),
-                "cuda_max_allocated_mib_per_rank": r.get("cuda_max_allocated_mib_per_rank"),
-                "cuda_phase_peaks_mib_per_rank": r.get("cuda_phase_peaks_mib_per_rank"),
-                "final_loss": r.get("final_loss"),
-                "precision_used": r.get("precision_used"),
-                **({"error": str(r.get("error", ""))[-600:]} if r.get("status") != "ok" else {}),
+            n: {
+                "status": r["status"],
+                **{
+                    k: r["metrics"].get(k)
+                    for k in ("step_s", "tokens_per_s", "mfu", "cuda_max_allocated_mib")
+                },
+                "cuda_phase_peaks_mib_per_rank": [
+                    k.get("cuda_phase_peaks_mib") for k in (r["runs"] or [[]])[-1]
+                ],
+                "final_loss": r["metrics"].get("final_loss"),
+                "check": r["check"],
+                **({"error": str(r.get("error", ""))[-600:]} if r["status"] == "failed" else {}),
             }
-            for contender, r in report.get("results", {}).items()
+            for n, r in rows.items()
         }
-        details["ratios"] = report.get("ratios")
-        details["loss_check"] = report.get("loss_check")
-        details["notes"] = report.get("notes")
-        details["table"] = report.get("table")
+        details.update(ratios=report.get("ratios"), notes=report.get("notes"), table=report.get("table"))
     run["details"] = details
     if run["timed_out"] and timeout < CAPS[name]:  # cut short by the budget, not by its own cap
         reason = f"time budget: stopped after {timeout:.0f} s, less than its {CAPS[name]} s cap"
@@ -353,15 +377,13 @@ def part_step_time(out: Path, timeout: float, args: argparse.Namespace, gloo: bo
     if run["timed_out"]:
         return _failed(run, f"timed out after {timeout:.0f} s", log)
     if report is None:
-        return _failed(run, f"step_time.py wrote no result (exit status {run['returncode']})", log)
-    contenders = details.get("contenders", {})
-    if contenders.get("flatshard", {}).get("status") != "ok":
-        return _failed(run, "the flatshard contender failed", log)
-    spread = (report.get("loss_check") or {}).get("final_loss_spread")
-    final = contenders["flatshard"].get("final_loss") or 1.0
-    if spread is not None and spread > 1e-2 * max(1.0, abs(final)):
-        return _failed(run, f"final losses differ by {spread:.4g} between contenders (more than 1%)", log)
-    peers_failed = [n for n, c in contenders.items() if c.get("status") != "ok"]
+        return _failed(run, f"the benchmark wrote no result (exit status {run['returncode']})", log)
+    if rows.get("flatshard", {}).get("status") != "ok":
+        return _failed(run, "the flatshard contender failed or its losses differ from the reference's", log)
+    wrong = [n for n, r in rows.items() if r["status"] == "check failed"]
+    if wrong:
+        return _failed(run, f"losses differ from the reference's: {', '.join(wrong)}", log)
+    peers_failed = [n for n, r in rows.items() if r["status"] == "failed"]
     if peers_failed:
         run["warnings"] = [f"peer contender(s) failed: {', '.join(peers_failed)} (see {log.name})"]
     return {**run, "status": "passed", "reason": None}
@@ -379,10 +401,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("out_dir", type=Path, help="where the summary (gpu_check.json), logs and results go")
     p.add_argument("--budget-s", type=float, default=570.0, help="time for all parts together (default 570)")
     p.add_argument("--skip", default="", help=f"comma-separated parts to skip: {', '.join(PARTS)}")
-    p.add_argument("--bench-steps", type=int, default=5, help="step_time.py --steps (default 5)")
-    p.add_argument("--bench-warmup", type=int, default=2, help="step_time.py --warmup (default 2)")
+    p.add_argument("--bench-steps", type=int, default=5, help="the benchmark's --steps (default 5)")
+    p.add_argument("--bench-warmup", type=int, default=2, help="the benchmark's --warmup (default 2)")
     p.add_argument(
-        "--bench-contenders", default="flatshard,fsdp1,fsdp2,ddp", help="step_time.py --contenders"
+        "--bench-contenders", default="flatshard,fsdp1,fsdp2,ddp", help="the benchmark's --contenders"
     )
     return p.parse_args(argv)
 

@@ -18,7 +18,7 @@ from typing import Any
 from ..model import MODEL_FIELDS, PRESETS
 from ..schema import Row
 
-SCENARIOS = ("train", "memory")
+SCENARIOS = ("train", "memory", "checkpoint", "async_save", "generate", "pretrained", "estimate")
 
 
 def add_gpt_arguments(p: argparse.ArgumentParser, steps: int, warmup: int) -> None:
