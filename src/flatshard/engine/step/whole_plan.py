@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -46,11 +47,13 @@ class WholeState(enum.Enum):
 
 
 # Each state and the states it may move to: into a step and back (also back after a step that raised).
-_NEXT: dict[WholeState, tuple[WholeState, ...]] = {
-    WholeState.PIECE: (WholeState.WHOLE_ON_OWNER, WholeState.SKIPPED_ON_NON_OWNER),
-    WholeState.WHOLE_ON_OWNER: (WholeState.PIECE,),
-    WholeState.SKIPPED_ON_NON_OWNER: (WholeState.PIECE,),
-}
+_NEXT: Mapping[WholeState, tuple[WholeState, ...]] = MappingProxyType(
+    {
+        WholeState.PIECE: (WholeState.WHOLE_ON_OWNER, WholeState.SKIPPED_ON_NON_OWNER),
+        WholeState.WHOLE_ON_OWNER: (WholeState.PIECE,),
+        WholeState.SKIPPED_ON_NON_OWNER: (WholeState.PIECE,),
+    }
+)
 
 
 @dataclass(eq=False)
