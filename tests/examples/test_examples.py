@@ -13,6 +13,8 @@ import pytest
 
 from ..scripts import run_script
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -227,6 +227,7 @@ def test_export_to_and_load_from_a_url(tmp_path: Path) -> None:
     assert restored["head.weight"] is restored["wte.weight"]
 
 
+@pytest.mark.slow
 def test_python_dash_m_flatshard_is_the_console_script(tmp_path: Path) -> None:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120)

@@ -114,6 +114,7 @@ print(anon() - before)
 """
 
 
+@pytest.mark.slow
 def test_shard_returns_the_replaced_parameters_to_the_system() -> None:
     """See [Note: returning the replaced parameters]: parameters in the C heap (as a model cast in place holds
     them); after shard() the process holds about its shards, not the shards plus the freed originals."""
