@@ -433,6 +433,7 @@ def _trainer_resumes_a_gap(rank: int, world: int, root: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_trainer_refuses_a_directory_with_a_gap(tmp_path: Path) -> None:
     ckpt = str(tmp_path / "trainer.ckpt")
     for result in spawn(_trainer_resumes_a_gap, 2, str(tmp_path)):
@@ -472,6 +473,7 @@ def _fabric_loads_an_extra_key(rank: int, world: int, root: str) -> dict[str, An
     return {"error": error, "unchanged": _same(before, after), "step": state["step"]}
 
 
+@pytest.mark.slow
 def test_fabric_refuses_a_key_the_model_does_not_have(tmp_path: Path) -> None:
     path = str(tmp_path / "fabric")
     for result in spawn(_fabric_loads_an_extra_key, 2, str(tmp_path)):
@@ -521,6 +523,7 @@ def _fabric_loads_a_file_damaged_on_one_rank(rank: int, world: int, root: str) -
     return {"error": error, "seconds": seconds, "unchanged": _same(before, after), "step": state["step"]}
 
 
+@pytest.mark.slow
 def test_fabric_fails_on_every_rank_when_one_rank_cannot_read_a_full_file(tmp_path: Path) -> None:
     loaded, failed = spawn(_fabric_loads_a_file_damaged_on_one_rank, 2, str(tmp_path), timeout=120)
     assert failed["error"] is not None and "truncated (injected on rank 1)" in failed["error"], failed

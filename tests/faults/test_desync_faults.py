@@ -105,6 +105,7 @@ def _gil_holder_in_a_collective(rank: int, world: int) -> dict[str, Any]:
     return _train(rank, world, _broadcast_a_slow_object, stall_rank=-1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("env", TRANSPORTS)
 def test_a_rank_holding_the_interpreter_lock_inside_a_collective_is_never_reported(
@@ -117,6 +118,7 @@ def _gil_holder(rank: int, world: int) -> dict[str, Any]:
     return _train(rank, world, _hold_the_gil)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("env", TRANSPORTS)
 def test_a_rank_holding_the_interpreter_lock_is_never_reported(env: dict[str, str]) -> None:
@@ -129,6 +131,7 @@ def _different_limits(rank: int, world: int) -> dict[str, Any]:
     return _train(rank, world, lambda: time.sleep(3.0), limit=1.0 if rank == 0 else 8.0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ranks_with_different_limits_never_report_a_slow_rank() -> None:
     _assert_healthy(spawn(_different_limits, 2, timeout=90))
@@ -187,6 +190,7 @@ def _slow_in_dcp(rank: int, world: int, directory: str) -> dict[str, Any]:
     return {"error": None, "verdict": watchdog.verdict(), "max_diff": diff}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_every_rank_inside_a_long_sharded_save_then_a_late_rank_is_not_a_desync(tmp_path: Any) -> None:
     _assert_healthy(spawn(_slow_in_dcp, 2, str(tmp_path / "ckpt"), timeout=150))
@@ -206,6 +210,7 @@ def _stale_verdict(rank: int, world: int) -> dict[str, Any]:
     return _train(rank, world, plant_and_lag)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_verdict_in_the_store_from_another_wait_never_fires() -> None:
     _assert_healthy(spawn(_stale_verdict, 2, timeout=90))
@@ -411,6 +416,7 @@ def _two_roots(rank: int, world: int, which: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("which", ["A", "B"])
 def test_each_root_keeps_its_own_limit(which: str) -> None:

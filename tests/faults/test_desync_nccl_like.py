@@ -27,6 +27,8 @@ from flatshard.testing.models import Block, TinyGPT, make_batch
 from tests import fake_streams
 from tests.fake_streams import record_streams
 
+pytestmark = pytest.mark.slow
+
 LIMIT = 4.0  # seconds: the desync_timeout of these runs
 GLOO = {"FLATSHARD_SHM": "0"}
 

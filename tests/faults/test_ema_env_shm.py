@@ -173,6 +173,7 @@ def _saved_ema(ckpt: dict[str, Any]) -> dict[str, Any]:
     return states[0]["ema_state_dict"]  # type: ignore[no-any-return]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_checkpoints_saved_with_the_ema_swapped_in_hold_the_training_weights(tmp_path: Path) -> None:
     runs = spawn(_trainer_runs, 2, str(tmp_path))[0]
@@ -357,6 +358,7 @@ def kill_driver(kills: int, iterations: int, seed: int) -> dict[str, Any]:
     return report
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(
     not os.path.isdir("/dev/shm") or shm._futex() is None, reason="the transport needs Linux x86-64"

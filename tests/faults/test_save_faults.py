@@ -201,7 +201,10 @@ def _assert_holds(path: Path, saved: dict[str, Any], scratch: Path) -> None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("kind", ["sharded", "async", "full"])
+@pytest.mark.parametrize(
+    "kind",
+    ["sharded", pytest.param("async", marks=pytest.mark.slow), pytest.param("full", marks=pytest.mark.slow)],
+)
 def test_a_full_disk_fails_the_save_on_every_rank(tmp_path: Path, small_disk: Path, kind: str) -> None:
     """On one rank (the writer of a full file, rank 1 otherwise), then on all ranks."""
     try:  # the failing rank mounts in a namespace of its own: check that it may
@@ -309,6 +312,7 @@ def _fabric_saves_to_a_flaky_store(rank: int, world: int, root: str) -> dict[str
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_an_upload_that_fails_midway_fails_the_save_on_every_rank(tmp_path: Path) -> None:
     _register_flaky_store()
@@ -347,6 +351,7 @@ KILLED = {  # case -> (worker, kind argument, --kill)
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("case", list(KILLED))
 def test_a_killed_rank_fails_the_save_on_the_others(tmp_path: Path, case: str) -> None:
@@ -459,6 +464,7 @@ def _objects(folder: Path) -> dict[str, list[str]]:
     return {p.name: sorted(os.listdir(p)) for p in sorted(folder.iterdir()) if p.is_dir()}
 
 
+@pytest.mark.slow
 def test_a_save_to_a_url_removes_what_dead_runs_left_beside_it(tmp_path: Path) -> None:
     """At a URL (``flaky://``: local files behind an object-store-like filesystem), a killed run leaves data
     objects and its owner object under its checkpoint's prefix; the next sharded save beside it removes them.

@@ -78,6 +78,7 @@ def test_a_rank_that_skips_a_whole_tensor_step_makes_every_rank_raise() -> None:
     assert "HINT" in error, error
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_rank_slow_inside_a_whole_tensor_step_is_never_reported() -> None:
     for rank, r in enumerate(spawn(_run, 2, "slow_closure", timeout=120)):
