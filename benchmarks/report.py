@@ -165,6 +165,8 @@ def plot(report: Report, panels: list[Panel], path: Path) -> bool:
         ax.grid(axis="y", alpha=0.3)
         if panel.log:
             ax.set_yscale("log")
+            if panel.x is not None:
+                ax.set_xscale("log", base=2)
         ax.legend(fontsize=7)
     fig.suptitle(f"{report.stem}: {report.date[:10]}, torch {report.machine.get('torch')}", fontsize=9)
     fig.tight_layout()

@@ -34,7 +34,7 @@ COLUMNS = [
 ]
 PANELS = [
     Panel("GiB per GPU", ("peak_gib", "fsdp2_formula_gib"), x="gpus", log=True),
-    Panel("GiB into collectives per GPU and step", ("comm_gib",), x="gpus"),
+    Panel("GiB into collectives per GPU and step", ("comm_gib",), x="gpus", log=True),
 ]
 
 
