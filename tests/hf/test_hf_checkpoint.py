@@ -30,6 +30,8 @@ from .hf_common import (
     tied_keys,
 )
 
+pytestmark = pytest.mark.slow
+
 CASES = [
     ("gpt2", "flatshard"),
     ("gpt2", "flatshard_block"),

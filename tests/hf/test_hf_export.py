@@ -24,6 +24,8 @@ from tests.lightning.lit_common import make_trainer
 
 from .hf_common import WEIGHT_TOL, LitHF, assert_ties, build_config, make_loader, prompt
 
+pytestmark = pytest.mark.slow
+
 STEPS = 2
 GLOBAL_BATCH = 4
 

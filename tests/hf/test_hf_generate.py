@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import Callback
@@ -37,6 +38,8 @@ from .hf_common import (
     model_loss,
     strategy_for,
 )
+
+pytestmark = pytest.mark.slow
 
 KINDS = ("gpt2", "t5")
 STRATEGIES = ("ddp", "flatshard", "flatshard_block")

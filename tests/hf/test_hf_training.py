@@ -22,6 +22,8 @@ from tests.lightning.lit_common import load_ckpt
 
 from .hf_common import TRAIN_STEPS, WEIGHT_TOL, build_model, checkpoint_name, hf_state_dict
 
+pytestmark = pytest.mark.slow
+
 PARITY = [
     ("gpt2", "flatshard"),
     ("gpt2", "flatshard_block"),

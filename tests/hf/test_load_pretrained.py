@@ -245,6 +245,7 @@ def _failing_read(rank: int, world: int, root: str) -> dict[str, Any]:
     return {"message": message, "refused": refused}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_read_failing_on_one_rank_fails_every_rank(checkpoints: Path) -> None:
     for r in spawn(_failing_read, 2, str(checkpoints)):
@@ -268,6 +269,7 @@ def _hybrid_and_offload(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hybrid_sharding_and_offload_read_their_shards(checkpoints: Path) -> None:
     results = spawn(_hybrid_and_offload, 4, str(checkpoints))

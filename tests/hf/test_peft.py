@@ -20,6 +20,8 @@ from tests.lightning.lit_common import LossRecorder, load_ckpt, make_trainer
 
 from .hf_common import VOCAB, build_model
 
+pytestmark = pytest.mark.slow
+
 peft = pytest.importorskip("peft")
 
 SEQ, STEPS, GLOBAL_BATCH = 12, 3, 8

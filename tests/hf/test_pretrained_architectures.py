@@ -17,6 +17,8 @@ import torch
 
 from flatshard.testing import spawn
 
+pytestmark = pytest.mark.slow
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 96

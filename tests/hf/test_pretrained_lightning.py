@@ -19,6 +19,8 @@ from tests.lightning.lit_common import make_trainer
 
 from .pretrained_common import BLOCK, VOCAB, llama_config, reference, write_checkpoint
 
+pytestmark = pytest.mark.slow
+
 STEPS = 3
 GLOBAL_BATCH = 4
 

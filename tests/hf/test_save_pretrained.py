@@ -37,6 +37,8 @@ from tests.storage.conftest import S3Server, s3_server  # noqa: F401  (the stora
 
 from .hf_common import WEIGHT_TOL, build_config, prompt
 
+pytestmark = pytest.mark.slow
+
 MAX_SHARD_SIZE = "20KB"  # the tiny Llama is about 90 kB: several files
 INDEX = "model.safetensors.index.json"
 

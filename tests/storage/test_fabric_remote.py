@@ -69,11 +69,13 @@ def _check(ranks: list[dict[str, Any]]) -> None:
             }, (kind, rank[kind])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_fabric_saves_and_loads_on_s3(s3_url: str, local_cwd: Path) -> None:
     _check(spawn(_round_trip, 2, s3_url, str(local_cwd)))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_fabric_saves_and_loads_in_memory(local_cwd: Path) -> None:
     _check(spawn(_round_trip, 1, "memory://fabric-test", str(local_cwd)))

@@ -97,6 +97,7 @@ def _save_to_unreachable(rank: int, world: int, url: str, cwd: str) -> dict[str,
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_an_unreachable_endpoint_fails_on_every_rank_before_anything_is_written(
     s3_url: str, local_cwd: Path
@@ -301,6 +302,7 @@ def _streamed_upload(rank: int, world: int, url: str, cwd: str, layers: int) -> 
     return {"growth_mib": (peak - before) / 1024, "state": _full_state(model, optimizer)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_streamed_full_save_uploads_in_parts_as_it_is_written(s3_url: str, local_cwd: Path) -> None:
     """The file goes up as a multipart upload, a part at a time while the units are gathered (s3fs's block size,

@@ -26,6 +26,7 @@ def _upload(server: S3Server, folder: Path, url: str) -> str:
     return url
 
 
+@pytest.mark.slow
 def test_safetensors_index_read_by_range_from_s3(s3_server: S3Server, s3_url: str, tmp_path: Path) -> None:
     local = save_llama(tmp_path / "llama")
     url = _upload(s3_server, local, f"{s3_url}/llama")

@@ -39,7 +39,10 @@ STEPS_PER_EPOCH = 3
 FIRST_EPOCHS, TOTAL_EPOCHS = 2, 3
 LOSS_TOL = {"atol": 1e-5, "rtol": 1e-5}
 
-pytestmark = pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`:UserWarning")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`:UserWarning"),
+]
 
 
 # ------------------------------------------------------------------------------------- in spawned ranks
