@@ -19,6 +19,8 @@ from flatshard.testing import spawn
 from flatshard.testing.dynamo import watch_dynamo
 from flatshard.testing.models import Block, TinyGPT, make_batch
 
+pytestmark = pytest.mark.slow
+
 STEPS = 4
 BACKEND = "aot_eager"
 

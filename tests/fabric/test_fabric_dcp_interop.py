@@ -20,7 +20,7 @@ from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT
 from tests.distributed.test_dcp_interop import LR, STEPS, _assert_matches, _loss, _named_state
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]
 
 
 def _parallelize(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from lightning.fabric import Fabric
 
@@ -17,6 +18,8 @@ import flatshard
 from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT
 from tests.distributed.test_dcp_interop import LR, STEPS, TOL, _loss
+
+pytestmark = pytest.mark.slow
 
 DECAY = 0.5
 

@@ -17,6 +17,8 @@ import flatshard.checkpoint.stream_save as stream_save
 from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT, make_batch
 
+pytestmark = pytest.mark.slow
+
 FILTERS: dict[str, Any] = {
     # by name, as adapters-only saves select (LoRA recipes keep "lora_" keys)
     "names": {"model": lambda k, v: ".ln" in k or k.startswith("head")},

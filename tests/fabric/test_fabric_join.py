@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from lightning.fabric import Fabric
 
 import flatshard
 from flatshard.testing import spawn
 from flatshard.testing.models import TinyGPT, make_batch
+
+pytestmark = pytest.mark.slow
 
 COUNTS = (3, 1)
 

@@ -170,6 +170,7 @@ def _run_fp16_scaler(rank: int, world: int) -> str:
     return type(fabric.strategy.precision.scaler).__name__  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("reduce_fp32", [False, True], ids=["bf16_reduce", "fp32_reduce"])
 def test_fabric_mixed_precision(reduce_fp32: bool) -> None:
@@ -224,6 +225,7 @@ def _run_bf16_true(rank: int, world: int) -> dict[str, str]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fabric_bf16_true_with_empty_init_keeps_metrics_fp32() -> None:
     for r in spawn(_run_bf16_true, 2):
@@ -292,6 +294,7 @@ def _sharded_load(rank: int, world: int, tmp: str) -> dict[str, float]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fabric_sharded_checkpoint_resumes_on_another_world_size(tmp_path: Path) -> None:
     spawn(_sharded_save, 2, str(tmp_path))
@@ -349,6 +352,7 @@ def _run_empty_init_joint_setup(rank: int, world: int, tmp: str) -> dict[str, fl
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fabric_empty_init_with_optimizer_set_up_jointly(tmp_path: Path) -> None:
     for r in spawn(_run_empty_init_joint_setup, 2, str(tmp_path)):
@@ -372,6 +376,7 @@ def _run_adagrad_joint_setup(rank: int, world: int) -> float:
     return max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fabric_optimizer_with_constructor_state_set_up_jointly() -> None:
     assert max(spawn(_run_adagrad_joint_setup, 2)) < 1e-5
