@@ -25,16 +25,35 @@ ENV = {"FLATSHARD_SHM": "0"}
 FACTORIES = {"gpt": gpt, "llama": tiny_llama, "large": gpt_large_vocab}
 WRAP = {"gpt": {Block}, "llama": {LlamaBlock}, "large": {Block}}
 
+# Each case is a real run; the quick tier keeps the 2-rank default, the rest of the matrix is slow.
 CASES = [
-    ("gpt", 1, "adamw", {}),
+    pytest.param("gpt", 1, "adamw", {}, marks=pytest.mark.slow),
     ("gpt", 2, "adamw", {}),
-    ("gpt", 2, "adamw", {"checkpoint": True}),
-    ("gpt", 2, "sgd-momentum", {"sharding_strategy": "SHARD_GRAD_OP"}),
-    ("gpt", 2, "adamw", {"sharding_strategy": "NO_SHARD"}),
-    ("gpt", 4, "adamw", {"sharding_strategy": "HYBRID_SHARD", "shard_group_size": 2}),
-    ("llama", 3, "adamw", {"checkpoint": True, "mixed_precision": {"param_dtype": "bf16"}}),
-    ("llama", 2, "sgd", {"sharding_strategy": "HYBRID_SHARD_ZERO2", "shard_group_size": 2}),
-    ("large", 2, "adamw", {"checkpoint": True}),
+    pytest.param("gpt", 2, "adamw", {"checkpoint": True}, marks=pytest.mark.slow),
+    pytest.param("gpt", 2, "sgd-momentum", {"sharding_strategy": "SHARD_GRAD_OP"}, marks=pytest.mark.slow),
+    pytest.param("gpt", 2, "adamw", {"sharding_strategy": "NO_SHARD"}, marks=pytest.mark.slow),
+    pytest.param(
+        "gpt",
+        4,
+        "adamw",
+        {"sharding_strategy": "HYBRID_SHARD", "shard_group_size": 2},
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        "llama",
+        3,
+        "adamw",
+        {"checkpoint": True, "mixed_precision": {"param_dtype": "bf16"}},
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        "llama",
+        2,
+        "sgd",
+        {"sharding_strategy": "HYBRID_SHARD_ZERO2", "shard_group_size": 2},
+        marks=pytest.mark.slow,
+    ),
+    pytest.param("large", 2, "adamw", {"checkpoint": True}, marks=pytest.mark.slow),
 ]
 
 
