@@ -72,9 +72,11 @@ def _run(rank: int, world: int, wrap: str, policy_name: str, strategy: str) -> d
     ("wrap", "policy", "strategy"),
     [
         ("blocks", "blocks", "FULL_SHARD"),  # each checkpointed module is a unit of its own
-        ("blocks", "linear", "FULL_SHARD"),  # checkpointed submodules inside units (and in the root unit)
-        ("root", "callable", "FULL_SHARD"),  # checkpointed blocks inside the single root unit
-        ("blocks", "blocks", "SHARD_GRAD_OP"),
+        # checkpointed submodules inside units (and in the root unit)
+        pytest.param("blocks", "linear", "FULL_SHARD", marks=pytest.mark.slow),
+        # checkpointed blocks inside the single root unit
+        pytest.param("root", "callable", "FULL_SHARD", marks=pytest.mark.slow),
+        pytest.param("blocks", "blocks", "SHARD_GRAD_OP", marks=pytest.mark.slow),
     ],
 )
 def test_activation_checkpointing_parity(wrap: str, policy: str, strategy: str) -> None:

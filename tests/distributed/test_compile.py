@@ -21,6 +21,8 @@ from flatshard.testing import spawn
 from flatshard.testing.dynamo import watch_dynamo
 from flatshard.testing.models import Block, TinyGPT, make_batch
 
+pytestmark = pytest.mark.slow
+
 PER_RANK = 2
 STEPS = 4
 BACKEND = "aot_eager"

@@ -258,6 +258,7 @@ def test_flatshard_directory_holds_global_shapes_for_torch_tools(tmp_path: Path)
     assert torch.load(ckpt / "meta.pt", weights_only=False) == {"step": STEPS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_flatshard_loads_a_lightning_fsdp_sharded_checkpoint_on_any_world_size(
     tmp_path: Path, world: int
@@ -269,7 +270,9 @@ def test_flatshard_loads_a_lightning_fsdp_sharded_checkpoint_on_any_world_size(
     assert result["extra"] == {"epoch": 1, "global_step": STEPS}
 
 
-@pytest.mark.parametrize("keys", [("state_dict", "optimizer_0"), ("model", "optim")])
+@pytest.mark.parametrize(
+    "keys", [("state_dict", "optimizer_0"), pytest.param(("model", "optim"), marks=pytest.mark.slow)]
+)
 def test_flatshard_loads_fsdp2_get_state_dict_checkpoints(tmp_path: Path, keys: tuple[str, str]) -> None:
     ckpt = tmp_path / "fsdp2"
     spawn(_write_fsdp2, 2, str(ckpt), *keys)
@@ -278,6 +281,7 @@ def test_flatshard_loads_fsdp2_get_state_dict_checkpoints(tmp_path: Path, keys: 
     assert result["extra"] == {}
 
 
+@pytest.mark.slow
 def test_flatshard_loads_bare_model_keys_and_a_flattened_optimizer(tmp_path: Path) -> None:
     ckpt = tmp_path / "flattened"
     spawn(_write_fsdp2_flattened, 2, str(ckpt))
@@ -285,6 +289,7 @@ def test_flatshard_loads_bare_model_keys_and_a_flattened_optimizer(tmp_path: Pat
     _assert_matches(result["weights"], result["state"], "flattened FSDP2 -> flatshard")
 
 
+@pytest.mark.slow
 def test_lightning_fsdp_and_fsdp2_load_a_flatshard_checkpoint(tmp_path: Path) -> None:
     ckpt = tmp_path / "flatshard"
     spawn(_write_flatshard, 3, str(ckpt))
@@ -324,6 +329,7 @@ def test_other_param_groups_are_refused_before_anything_changes(tmp_path: Path) 
     assert not opt.state
 
 
+@pytest.mark.slow
 def test_consolidate_and_inspect_read_a_lightning_fsdp_directory(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -18,7 +18,10 @@ from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT, make_batch
 
 LIMIT = 6.0  # seconds: the tests' desync_timeout
-TRANSPORTS = [pytest.param({}, id="shm"), pytest.param({"FLATSHARD_SHM": "0"}, id="gloo")]
+TRANSPORTS = [
+    pytest.param({}, id="shm"),
+    pytest.param({"FLATSHARD_SHM": "0"}, id="gloo", marks=pytest.mark.slow),
+]
 
 
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: int, world: int) -> float:
@@ -122,6 +125,7 @@ def _slow_rank(rank: int, world: int, env_limit: float) -> dict:
     return {"same": same, "verdict": watchdog.verdict(), "losses": losses}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env", TRANSPORTS)
 def test_a_slow_rank_is_never_reported_and_trains_like_the_reference(env: dict) -> None:
     for rank, r in enumerate(spawn(_slow_rank, 2, 1.0, env=env, timeout=120)):

@@ -17,6 +17,7 @@ from flatshard.engine.handle import HandleState
 from flatshard.engine.transport import comm
 from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT, make_batch
+from tests.matrices import WORLD_AND_STRATEGY
 
 NEW_TOKENS = 6
 
@@ -97,7 +98,7 @@ def _case(rank: int, world: int, strategy: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize(("world", "strategy"), [(2, "FULL_SHARD"), (3, "SHARD_GRAD_OP"), (2, "NO_SHARD")])
+@pytest.mark.parametrize(("world", "strategy"), WORLD_AND_STRATEGY)
 def test_registered_generate(world: int, strategy: str) -> None:
     for rank, result in enumerate(spawn(_case, world, strategy)):
         assert [k for k, v in result.items() if not v] == [], (rank, result)

@@ -116,11 +116,14 @@ def _check(results: list[dict[str, dict[str, Any]]], configs: dict[str, dict[str
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("transport", [{}, {"FLATSHARD_SHM": "0"}], ids=["shm", "gloo"])
+@pytest.mark.parametrize(
+    "transport", [{}, pytest.param({"FLATSHARD_SHM": "0"}, marks=pytest.mark.slow)], ids=["shm", "gloo"]
+)
 def test_frozen_weights_are_not_reduced(transport: dict[str, str]) -> None:
     _check(spawn(_train, 2, CONFIGS, env=transport), CONFIGS)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_frozen_weights_are_not_reduced_hybrid() -> None:
     _check(spawn(_train, 4, HYBRID), HYBRID)
@@ -164,8 +167,14 @@ def _most_gathered_in_backward(rank: int, world: int, frozen_inputs: bool, chain
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("chain", [False, True], ids=["activations_between", "chained"])
-@pytest.mark.parametrize("frozen_inputs", [False, True], ids=["adapters", "frozen_first_unit"])
+@pytest.mark.parametrize(
+    "chain", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["activations_between", "chained"]
+)
+@pytest.mark.parametrize(
+    "frozen_inputs",
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["adapters", "frozen_first_unit"],
+)
 def test_units_with_frozen_parameters_free_them_during_backward(frozen_inputs: bool, chain: bool) -> None:
     """Each unit reshards once its backward is done (see [Note: when a unit with frozen parameters is
     done]), before the unit it hands over to prefetches the next (see [Note: handing over]), so backward holds

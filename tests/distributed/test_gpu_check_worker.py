@@ -17,6 +17,7 @@ from ..scripts import run_script
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_gpu_check_worker_passes_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "parity.json"

@@ -13,7 +13,7 @@ def _read_env(rank: int, world: int) -> tuple[str | None, str | None]:
     return os.environ.get("FLATSHARD_HARNESS_PROBE"), os.environ.get("RANK")
 
 
-@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+@pytest.mark.parametrize("method", [pytest.param("spawn", marks=pytest.mark.slow), "forkserver"])
 def test_ranks_see_the_callers_environment(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
     spawn(_read_env, 2, start_method=method)  # the forkserver (if any) starts before the variable is set
     monkeypatch.setenv("FLATSHARD_HARNESS_PROBE", method)

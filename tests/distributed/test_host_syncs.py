@@ -68,8 +68,8 @@ def _step_reads(rank: int, world: int, options: dict) -> dict:
     "options",
     [
         {},
-        {"sharding_strategy": "SHARD_GRAD_OP"},
-        {"sharding_strategy": "HYBRID_SHARD", "shard_group_size": 2},
+        pytest.param({"sharding_strategy": "SHARD_GRAD_OP"}, marks=pytest.mark.slow),
+        pytest.param({"sharding_strategy": "HYBRID_SHARD", "shard_group_size": 2}, marks=pytest.mark.slow),
     ],
     ids=["full_shard", "grad_op", "hybrid"],
 )

@@ -129,6 +129,7 @@ def _one_node(rank: int, world: int) -> dict[str, object]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hybrid_on_one_node_runs_as_full_shard_or_no_shard() -> None:
     for r in spawn(_one_node, 4):
@@ -178,6 +179,7 @@ def test_hybrid_parity_and_replicate_traffic(hybrid_run: tuple[list[dict[str, ob
     assert results[0]["full_keys"] == len(TinyGPT().state_dict())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hybrid_checkpoints_load_on_other_topologies(
     hybrid_run: tuple[list[dict[str, object]], Path],

@@ -61,9 +61,11 @@ def _uneven(rank: int, world: int, options: dict) -> dict:
     ("world", "options"),
     [
         (2, {}),
-        (3, {"sharding_strategy": "SHARD_GRAD_OP", "forward_prefetch": True}),
-        (2, {"sharding_strategy": "NO_SHARD"}),
-        (4, {"sharding_strategy": "HYBRID_SHARD", "shard_group_size": 2}),
+        pytest.param(
+            3, {"sharding_strategy": "SHARD_GRAD_OP", "forward_prefetch": True}, marks=pytest.mark.slow
+        ),
+        pytest.param(2, {"sharding_strategy": "NO_SHARD"}, marks=pytest.mark.slow),
+        pytest.param(4, {"sharding_strategy": "HYBRID_SHARD", "shard_group_size": 2}, marks=pytest.mark.slow),
     ],
     ids=["full_shard", "grad_op_forward_prefetch", "no_shard", "hybrid"],
 )

@@ -40,6 +40,7 @@ WORKER = Path(__file__).with_name("_killed_async_save_worker.py")
 MAX_SAVES = 30
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
     pytest.mark.skipif(sys.platform != "linux", reason="process groups are killed and watched through /proc"),
 ]

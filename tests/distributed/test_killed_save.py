@@ -35,6 +35,7 @@ PARTIAL_BYTES = 8 << 20  # kill once the save in progress has written this much 
 STARTUP_TIMEOUT_S = 180.0
 
 pytestmark = [
+    pytest.mark.slow,
     # DCP's note when the in-process (no process group) save below writes the directory alone
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
     pytest.mark.skipif(sys.platform != "linux", reason="process groups are killed and watched through /proc"),

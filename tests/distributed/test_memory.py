@@ -42,7 +42,7 @@ def _run(rank: int, world: int) -> dict[str, int]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_each_rank_holds_its_share(world_size: int) -> None:
     for r in spawn(_run, world_size):
         share = r["full"] / world_size

@@ -79,7 +79,9 @@ def _run(rank: int, world: int, mapped: bool) -> dict[str, float]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mapped", [False, True], ids=["heap", "mapped"])
+@pytest.mark.parametrize(
+    "mapped", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["heap", "mapped"]
+)
 def test_accumulation_both_ways_matches_reference(mapped: bool) -> None:
     full_bytes = sum(p.numel() for p in TinyGPT().parameters()) * 4
     for r in spawn(_run, 2, mapped):

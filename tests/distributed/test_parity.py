@@ -110,7 +110,14 @@ def _run_all(rank: int, world: int, mapped: bool) -> dict[str, tuple[float, floa
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    ("world_size", "mapped"), [(1, False), (2, False), (3, False), (4, False), (3, True)]
+    ("world_size", "mapped"),
+    [
+        pytest.param(1, False, marks=pytest.mark.slow),
+        (2, False),
+        pytest.param(3, False, marks=pytest.mark.slow),
+        pytest.param(4, False, marks=pytest.mark.slow),
+        pytest.param(3, True, marks=pytest.mark.slow),
+    ],
 )
 def test_parity_every_strategy_and_wrap(world_size: int, mapped: bool) -> None:
     per_rank = spawn(_run_all, world_size, mapped)

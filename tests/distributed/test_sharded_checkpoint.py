@@ -117,9 +117,9 @@ def _close(a, b, tol=1e-5):
     ("save_world", "save_layout", "load_world", "load_layout"),
     [
         (2, "block", 4, "size"),
-        (4, "size", 1, "root"),
-        (2, "grad_op", 3, "block"),
-        (3, "no_shard", 2, "block"),
+        pytest.param(4, "size", 1, "root", marks=pytest.mark.slow),
+        pytest.param(2, "grad_op", 3, "block", marks=pytest.mark.slow),
+        pytest.param(3, "no_shard", 2, "block", marks=pytest.mark.slow),
     ],
 )
 def test_sharded_checkpoint_reshards_and_consolidates(
@@ -209,7 +209,16 @@ def good_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("damage", ["truncate", "missing_shard", "no_metadata", "wrong_model", "version"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "truncate",
+        pytest.param("missing_shard", marks=pytest.mark.slow),
+        pytest.param("no_metadata", marks=pytest.mark.slow),
+        pytest.param("wrong_model", marks=pytest.mark.slow),
+        pytest.param("version", marks=pytest.mark.slow),
+    ],
+)
 def test_damaged_sharded_checkpoint_fails_before_any_change(
     tmp_path: Path, good_checkpoint: Path, damage: str
 ):
@@ -273,6 +282,7 @@ def _consolidate_measured(rank: int, world: int, root: str, batch_bytes: int) ->
     return (peak - before) / 1024
 
 
+@pytest.mark.slow
 def test_consolidate_streams_the_file_one_batch_at_a_time(tmp_path: Path) -> None:
     """``flatshard consolidate`` writes each tensor into the file as it is read (batches of BATCH_BYTES): the
     process holds about one batch, not the whole state, and the file equals the full save of the same state.

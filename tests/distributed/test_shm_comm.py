@@ -16,6 +16,7 @@ from flatshard.engine.shard import unit_states
 from flatshard.engine.transport import comm, shm
 from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT, make_batch
+from tests.matrices import WORLD_AND_STRATEGY
 
 from ._sabotage import fail_segments
 
@@ -96,7 +97,7 @@ def _run_both_transports(rank: int, world: int, strategy: str) -> None:
             torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize(("world", "strategy"), [(2, "FULL_SHARD"), (3, "SHARD_GRAD_OP"), (2, "NO_SHARD")])
+@pytest.mark.parametrize(("world", "strategy"), WORLD_AND_STRATEGY)
 def test_training_over_shared_memory_equals_gloo_and_the_unsharded_model(world: int, strategy: str) -> None:
     spawn(_run_both_transports, world, strategy)
 

@@ -95,7 +95,7 @@ def _run(rank: int, world: int) -> dict[str, float]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_full_state_gather_and_load(world_size: int) -> None:
     results = spawn(_run, world_size)
     root = results[0]

@@ -138,6 +138,7 @@ def test_stream_protocol_two_ranks() -> None:
             _assert_protocol(name, options, rank_result[name])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_stream_protocol_hybrid() -> None:
     for rank_result in spawn(_run_configs, 4, HYBRID_CONFIGS):

@@ -145,6 +145,7 @@ def _fail_midway(rank: int, world: int, folder: str, at_start: bool) -> dict[str
     return {"error": None, "listing": sorted(os.listdir(folder))}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("at_start", [False, True], ids=["midway", "first_write"])
 def test_a_write_failing_fails_the_streamed_save_on_every_rank(tmp_path: Path, at_start: bool) -> None:
@@ -177,6 +178,7 @@ def _load_growth(rank: int, world: int, folder: str, stepped: bool) -> dict[str,
     return {"growth_mib": growth, "model": state, "optim": optim}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stepped", [False, True])
 def test_resuming_from_a_full_file_reads_only_what_each_rank_keeps(tmp_path: Path, stepped: bool) -> None:
     """See [Note: reading a full file by byte ranges]: a rank's memory grows by what it keeps (its half of the

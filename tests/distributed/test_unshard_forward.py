@@ -72,10 +72,10 @@ def _scaled(ref: TinyGPT) -> TinyGPT:
     ("world", "options"),
     [
         (2, {"sharding_strategy": "FULL_SHARD"}),
-        (3, {"sharding_strategy": "SHARD_GRAD_OP"}),
-        (2, {"sharding_strategy": "NO_SHARD"}),
-        (2, {"sharding_strategy": "FULL_SHARD", "cpu_offload": True}),
-        (4, {"sharding_strategy": "HYBRID_SHARD", "shard_group_size": 2}),
+        pytest.param(3, {"sharding_strategy": "SHARD_GRAD_OP"}, marks=pytest.mark.slow),
+        pytest.param(2, {"sharding_strategy": "NO_SHARD"}, marks=pytest.mark.slow),
+        pytest.param(2, {"sharding_strategy": "FULL_SHARD", "cpu_offload": True}, marks=pytest.mark.slow),
+        pytest.param(4, {"sharding_strategy": "HYBRID_SHARD", "shard_group_size": 2}, marks=pytest.mark.slow),
     ],
     ids=["full_shard", "shard_grad_op", "no_shard", "offload", "hybrid"],
 )

@@ -10,6 +10,7 @@ import torch
 import flatshard
 from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT, make_batch
+from tests.matrices import WORLD_AND_STRATEGY
 
 GLOBAL = 12  # divisible by the world sizes used (2, 3)
 
@@ -90,7 +91,7 @@ def _check(rank: int, world: int, strategy: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize(("world", "strategy"), [(2, "FULL_SHARD"), (3, "SHARD_GRAD_OP"), (2, "NO_SHARD")])
+@pytest.mark.parametrize(("world", "strategy"), WORLD_AND_STRATEGY)
 def test_unshard_params(world: int, strategy: str):
     results = spawn(_check, world, strategy)
     for rank, r in enumerate(results):

@@ -118,12 +118,12 @@ def _run(rank: int, world: int, strategy: str, closure: bool, built: str) -> dic
 @pytest.mark.parametrize(
     ("world", "strategy", "closure", "built"),
     [
-        (1, "FULL_SHARD", False, "before"),
+        pytest.param(1, "FULL_SHARD", False, "before", marks=pytest.mark.slow),
         (2, "FULL_SHARD", False, "before"),
-        (2, "FULL_SHARD", True, "original_shapes"),
-        (3, "FULL_SHARD", False, "original_shapes"),
-        (2, "SHARD_GRAD_OP", True, "before"),
-        (2, "FULL_SHARD", False, "stepped_before"),
+        pytest.param(2, "FULL_SHARD", True, "original_shapes", marks=pytest.mark.slow),
+        pytest.param(3, "FULL_SHARD", False, "original_shapes", marks=pytest.mark.slow),
+        pytest.param(2, "SHARD_GRAD_OP", True, "before", marks=pytest.mark.slow),
+        pytest.param(2, "FULL_SHARD", False, "stepped_before", marks=pytest.mark.slow),
     ],
 )
 def test_muon_trains_a_sharded_model_as_the_unsharded_one(
@@ -179,6 +179,7 @@ def _resume(rank: int, world: int, folder: str, kind: str) -> dict[str, Any]:
     return {"state": state}
 
 
+@pytest.mark.slow
 def test_muon_state_saves_full_and_sharded_and_resumes_on_another_world_size(tmp_path: Any) -> None:
     spawn(_save_after, 2, str(tmp_path))
     # The reference: the unsharded model, the same steps on the global batches, one more after "resuming".
@@ -349,7 +350,7 @@ def _other(rank: int, world: int, name: str) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("name", ["rownorm", "adafactor"])
+@pytest.mark.parametrize("name", ["rownorm", pytest.param("adafactor", marks=pytest.mark.slow)])
 def test_other_whole_tensor_optimizers_train_as_unsharded(name: str) -> None:
     """A class named in ``whole_tensor_optimizers`` (an import path) and torch's Adafactor (recognised by class)."""
     if name == "adafactor" and not hasattr(torch.optim, "Adafactor"):
@@ -418,6 +419,7 @@ def _with_options(rank: int, world: int, case: str, strategy: str) -> dict[str, 
     return flatshard.get_state_dict(model, None)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["mixed_precision", "cpu_offload", "clipping", "accumulation", "hybrid"])
 def test_muon_with_other_options_matches_whole_parameters(case: str) -> None:
     world = 4 if case == "hybrid" else 2
