@@ -85,6 +85,7 @@ def _runs(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_async_saves_match_sync_saves(tmp_path: Path) -> None:
     ranks = spawn(_runs, 2, str(tmp_path))
@@ -144,6 +145,7 @@ def _failing_fit(rank: int, world: int, out_dir: str, fail_on_rank: int, max_ste
     return {"error": None, "step": trainer.global_step}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("fail_on_rank", [0, 1])
 def test_failed_write_surfaces_on_the_next_save(tmp_path: Path, fail_on_rank: int) -> None:
@@ -157,6 +159,7 @@ def test_failed_write_surfaces_on_the_next_save(tmp_path: Path, fail_on_rank: in
     assert not os.path.exists(first)  # never made visible
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_failed_last_write_surfaces_at_the_end_of_fit(tmp_path: Path) -> None:
     ranks = spawn(_failing_fit, 2, str(tmp_path), 1, 1)  # one step, one save: teardown waits for it
@@ -207,6 +210,7 @@ def _stuck_peer_fit(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     return {"error": None, "seconds": time.monotonic() - started}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_failed_run_does_not_wait_for_a_save_that_cannot_finish(tmp_path: Path) -> None:
     ranks = spawn(_stuck_peer_fit, 2, str(tmp_path), timeout=100)
@@ -342,6 +346,7 @@ def _fabric_run(rank: int, world: int, tmp: str) -> dict[str, float]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_fabric_async_save_and_load(tmp_path: Path) -> None:
     for result in spawn(_fabric_run, 2, str(tmp_path)):

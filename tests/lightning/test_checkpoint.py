@@ -278,6 +278,7 @@ def test_resume_on_one_device_with_strategy_auto(
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", [name for name, _, _ in RESUMES])
 def test_resume_on_three_ranks(

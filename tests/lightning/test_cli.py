@@ -12,6 +12,8 @@ import torch
 
 from ..scripts import run_script
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "cli" / "train.py"
 CONFIGS = sorted((REPO / "examples" / "configs").glob("*.yaml"))

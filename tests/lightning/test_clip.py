@@ -17,6 +17,8 @@ from flatshard.testing import spawn
 
 from .lit_common import LitGPT, assert_same_weights, load_ckpt, make_loader, make_trainer, strategy_by_name
 
+pytestmark = pytest.mark.slow
+
 STEPS = 3
 CLIP = 0.05
 

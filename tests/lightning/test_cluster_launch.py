@@ -44,6 +44,7 @@ SCRIPT_DEADLINE = 170.0
 FAILURE_GRACE = 20.0  # seconds the other processes get to end once one has failed
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.timeout(400),
     pytest.mark.skipif(
         not (dist.is_available() and dist.is_gloo_available())

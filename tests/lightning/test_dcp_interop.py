@@ -36,7 +36,7 @@ from .lit_common import (
 GLOBAL_BATCH, STEPS_PER_EPOCH = 6, 3
 LOSS_TOL = 1e-5
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]
 
 
 class FSDP2GPT(LitGPT):

@@ -20,6 +20,8 @@ from flatshard.testing.models import Block
 
 from .lit_common import LitGPT, make_dataset, make_trainer
 
+pytestmark = pytest.mark.slow
+
 LIMIT = 8.0
 BATCHES = (3, 2)  # training batches of rank 0 and rank 1
 

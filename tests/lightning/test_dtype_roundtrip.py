@@ -161,6 +161,7 @@ def _same_state(
         assert got[prefix + k].dtype == torch.float32 and got[prefix + k].shape == want[k].shape, (what, k)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_trainer_full_save_keeps_every_dtype(saves: tuple[Path, list[dict[str, Any]]]) -> None:
     folder, _ = saves
@@ -171,6 +172,7 @@ def test_trainer_full_save_keeps_every_dtype(saves: tuple[Path, list[dict[str, A
         assert ckpt["global_step"] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fabric_full_save_keeps_every_dtype(saves: tuple[Path, list[dict[str, Any]]]) -> None:
     folder, _ = saves
@@ -179,6 +181,7 @@ def test_fabric_full_save_keeps_every_dtype(saves: tuple[Path, list[dict[str, An
     assert ckpt["step"] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_engine_full_save_keeps_every_dtype(saves: tuple[Path, list[dict[str, Any]]]) -> None:
     folder, _ = saves
@@ -186,6 +189,7 @@ def test_engine_full_save_keeps_every_dtype(saves: tuple[Path, list[dict[str, An
     _same_state(ckpt["state_dict"], _reference(FROZEN, BUFFERS), "flatshard.save_checkpoint")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sharded_save_consolidates_and_loads_back_every_dtype_it_stores(
     saves: tuple[Path, list[dict[str, Any]]],
@@ -199,6 +203,7 @@ def test_sharded_save_consolidates_and_loads_back_every_dtype_it_stores(
     _same_state(loaded, want, "sharded save loaded into a fresh model")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_sharded_save_of_a_dtype_dcp_cannot_store_is_refused_before_writing(
     saves: tuple[Path, list[dict[str, Any]]],
@@ -212,6 +217,7 @@ def test_a_sharded_save_of_a_dtype_dcp_cannot_store_is_refused_before_writing(
     assert not [n for n in os.listdir(folder) if n.startswith(".")]  # no temporary left
 
 
+@pytest.mark.slow
 def test_packed_quantized_buffers_save_in_full(saves: tuple[Path, list[dict[str, Any]]]) -> None:
     folder, ranks = saves
     assert ranks[0]["packed"] == "saved", ranks[0]["packed"]

@@ -27,6 +27,8 @@ from flatshard.testing.models import Block
 
 from .lit_common import LitGPT, load_ckpt, make_loader, make_trainer
 
+pytestmark = pytest.mark.slow
+
 GLOBAL_BATCH, STEPS, DECAY = 6, 3, 0.8
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 

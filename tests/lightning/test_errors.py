@@ -316,6 +316,7 @@ def _records(bad_checkpoints: dict[str, Any], name: str) -> list[dict[str, Any]]
     return records
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_checkpoint_of_another_model_names_file_key_and_shapes(bad_checkpoints: dict[str, Any]) -> None:
     path = str(bad_checkpoints["paths"]["other_model"])

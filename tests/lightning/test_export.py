@@ -67,6 +67,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"dir": path, **result}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sharded_dir_exports_the_full_state_dict(
     run: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
@@ -92,6 +93,7 @@ def test_sharded_dir_exports_the_full_state_dict(
     assert (tmp_path / "api.safetensors").read_bytes() == out.read_bytes()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_prefix_loads_strictly_into_the_inner_model(run: dict[str, Any], tmp_path: Path) -> None:
     out = tmp_path / "tinygpt.safetensors"
@@ -103,6 +105,7 @@ def test_prefix_loads_strictly_into_the_inner_model(run: dict[str, Any], tmp_pat
         assert torch.equal(model.state_dict()[key], value), key
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ema_exports_the_callbacks_weights(run: dict[str, Any], tmp_path: Path, capsys) -> None:
     out = tmp_path / "ema.safetensors"

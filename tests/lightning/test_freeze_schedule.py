@@ -14,6 +14,8 @@ from flatshard.testing.models import Block
 
 from .lit_common import WEIGHT_TOL, LitGPT, LossRecorder, make_loader, make_trainer
 
+pytestmark = pytest.mark.slow
+
 STEPS, GLOBAL_BATCH = 3, 8
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
@@ -18,6 +19,8 @@ from flatshard.testing import spawn
 from flatshard.testing.models import TinyGPT, make_batch
 
 from .lit_common import LitGPT, make_loader, make_trainer
+
+pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 5
 

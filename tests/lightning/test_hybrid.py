@@ -23,6 +23,8 @@ from .lit_common import (
     make_trainer,
 )
 
+pytestmark = pytest.mark.slow
+
 STEPS = 3
 NODES, PER_NODE = 2, 2
 

@@ -32,6 +32,7 @@ def test_names_build_hybrid_and_offloading_strategies() -> None:
     assert offload.options.shard.cpu_offload is True
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_spawn_launcher_trains_and_returns_full_weights_to_the_main_process() -> None:
     steps, global_batch = 3, 4

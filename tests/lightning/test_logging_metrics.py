@@ -27,6 +27,8 @@ from flatshard.testing.models import TinyGPT
 
 from .lit_common import LitGPT, load_ckpt, make_dataset, make_loader, make_trainer, strip_prefix
 
+pytestmark = pytest.mark.slow
+
 VOCAB = 37
 TRAIN_STEPS = 3
 VAL_SAMPLES = 16  # 2 ranks x batch 4 x 2 batches: no DistributedSampler padding

@@ -20,6 +20,8 @@ from flatshard.testing.models import Block, TinyGPT
 
 from .lit_common import LitGPT, make_loader, make_trainer
 
+pytestmark = pytest.mark.slow
+
 ELEMENT = 4  # float32 bytes
 FULL_NUMEL = sum(p.numel() for p in TinyGPT().parameters())  # tied weight counted once
 POLICIES = {"one_unit": None, "block_units": {Block}}

@@ -28,6 +28,8 @@ from .lit_common import (
     strip_prefix,
 )
 
+pytestmark = pytest.mark.slow
+
 STEPS = 3
 
 

@@ -14,6 +14,8 @@ from flatshard.testing import spawn
 
 from .lit_common import LitGPT, make_loader, make_trainer
 
+pytestmark = pytest.mark.slow
+
 _SEEN: list[dict[str, Any]] = []
 
 

@@ -95,6 +95,7 @@ def _close(flatshard_run: str, ddp_run: str, runs: dict[str, Any], tol: float) -
     assert_runs_close(runs, flatshard_run, ddp_run, STEPS, tol)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bf16_mixed_matches_ddp(runs: dict[str, Any]) -> None:
     """bf16 compute inside units, fp32 weights in the checkpoint, close to DDP's autocast training."""
@@ -108,6 +109,7 @@ def test_bf16_mixed_matches_ddp(runs: dict[str, Any]) -> None:
     }  # ... the shards fp32
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bf16_true_matches_ddp(runs: dict[str, Any]) -> None:
     """The model is cast before sharding: no fp32 copy anywhere, checkpoint in bf16 like DDP's."""
@@ -117,6 +119,7 @@ def test_bf16_true_matches_ddp(runs: dict[str, Any]) -> None:
     assert {v.dtype for v in state.values() if v.is_floating_point()} == {torch.bfloat16}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_16_mixed_scaler_matches_ddp(runs: dict[str, Any]) -> None:
     """fp16 with loss scaling and norm clipping; the user's scaler settings carry over to the sharded scaler."""
@@ -128,6 +131,7 @@ def test_16_mixed_scaler_matches_ddp(runs: dict[str, Any]) -> None:
     assert ckpt["FlatShardPrecision"]["scale"] == runs["ckpt"]["ddp_16_mixed"]["MixedPrecision"]["scale"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_16_mixed_scaler_state_resumes_across_strategies(runs: dict[str, Any]) -> None:
     """flatshard's loss scale resumes under Lightning's own AMP plugin (ddp / auto) and the other way round."""
@@ -185,6 +189,7 @@ def _batch_dtypes(rank: int, world: int) -> dict[str, list[tuple[str, str, str]]
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_batch_keeps_its_dtypes_under_autocast() -> None:
     """Under bf16-mixed the batch reaches training_step and validation_step as it came, as under DDP: targets
@@ -194,6 +199,7 @@ def test_batch_keeps_its_dtypes_under_autocast() -> None:
         assert {dtype for _, _, dtype in rank["flatshard"]} == {"torch.float32"}, rank
 
 
+@pytest.mark.slow
 def test_metrics_are_never_cast(runs: dict[str, Any]) -> None:
     """torchmetrics state keeps fp32 under every flag (DDP's bf16-true casts it), and its value agrees."""
     for name in CASES:

@@ -23,6 +23,8 @@ from flatshard.testing import spawn
 
 from .lit_common import assert_same_optimizer_state, assert_same_weights, make_trainer
 
+pytestmark = pytest.mark.slow
+
 WIDTH, DEPTH, STEPS, PER_RANK = 1024, 8, 4, 4
 
 

@@ -259,7 +259,15 @@ def test_ddp_matches_single_device(two_ranks: dict[str, Any], single_device: dic
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["flatshard", "flatshard_block", "flatshard_grad_op", "no_shard"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "flatshard",
+        pytest.param("flatshard_block", marks=pytest.mark.slow),
+        pytest.param("flatshard_grad_op", marks=pytest.mark.slow),
+        pytest.param("no_shard", marks=pytest.mark.slow),
+    ],
+)
 def test_flatshard_matches_ddp_and_single_device(
     name: str, two_ranks: dict[str, Any], single_device: dict[int, Any]
 ) -> None:
@@ -293,6 +301,7 @@ def test_flatshard_matches_ddp_and_single_device(
     assert ckpt["global_step"] == ddp["global_step"] == STEPS
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["flatshard", "flatshard_block"])
 def test_three_ranks_uneven_shards_match_single_device(
@@ -313,6 +322,7 @@ def test_three_ranks_uneven_shards_match_single_device(
 
 
 # ---------------------------------------------------------------- Lightning features on top
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "name, reference",
@@ -357,6 +367,7 @@ def test_lightning_features_match_ddp(name: str, reference: str, two_ranks: dict
         assert sorted(ckpt["state_dict"]) == sorted(ddp["state_dict"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["flatshard_block_unused", "flatshard_unused"])
 def test_parameters_unused_in_a_step_are_not_updated(name: str, two_ranks: dict[str, Any]) -> None:

@@ -17,6 +17,8 @@ from flatshard.testing.models import make_batch
 
 from .lit_common import LitGPT, make_loader, make_trainer
 
+pytestmark = pytest.mark.slow
+
 BATCHES = (3, 1)  # evaluation batches of rank 0 and rank 1
 
 

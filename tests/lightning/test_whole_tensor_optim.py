@@ -30,7 +30,10 @@ from .lit_common import (
 
 use_float32_newton_schulz()  # exact parity: see tests/exact_muon.py
 
-pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon (torch >= 2.9)")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon (torch >= 2.9)"),
+]
 
 STEPS, PER_RANK = 4, 2
 
