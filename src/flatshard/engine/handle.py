@@ -79,21 +79,26 @@ class _UnflattenViews(torch.autograd.Function):
 
     Differentiable only through ``anchor``: backward keeps the views' gradients on the handle
     (:meth:`FlatParamHandle.stash_view_grads`) and gives the anchor a zero. See [Note: gradients of a unit].
+    The node holds the handle weakly: a view left on a module (the root stays gathered after a forward that
+    no backward followed) keeps the node, and a strong reference from it would make a cycle through autograd's
+    graph that the garbage collector cannot see, keeping the model alive after its last reference is dropped.
     """
 
     @staticmethod
     def forward(
         ctx: Any, anchor: torch.Tensor, flat: torch.Tensor, handle: FlatParamHandle
     ) -> tuple[torch.Tensor, ...]:
-        ctx.handle = handle
+        ctx.handle = weakref.ref(handle)
         ctx.set_materialize_grads(False)
         views = split_flat(flat, handle.layout)
         return tuple(views[i] for i in handle._trainable)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None, None]:
-        handle = ctx.handle
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None]:
+        handle = ctx.handle()
+        if handle is None:  # the model is gone: nothing to give gradients to
+            return None, None, None
         handle.stash_view_grads(grads)
         return torch.zeros_like(handle.grad_anchor), None, None
 

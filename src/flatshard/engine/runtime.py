@@ -69,6 +69,7 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -314,6 +315,26 @@ class _OutsideGraphs:
 _HANDOFF_ATTR = "_flatshard_handoff"
 
 
+class _AnchorHook:
+    """A unit's post-backward hook on its handles' ``grad_anchor``, reaching the unit through a weak reference.
+
+    torch keeps a tensor's post-accumulate-grad hooks where the garbage collector does not look, so a hook bound
+    to the unit that owns the tensor made a cycle no collection frees: every sharded model stayed in memory after
+    its last reference was dropped. The unit lives as long as its module (which holds it), so the weak reference
+    finds it whenever its backward can run.
+    """
+
+    __slots__ = ("unit",)
+
+    def __init__(self, unit: UnitState) -> None:
+        self.unit = weakref.ref(unit)
+
+    def __call__(self, anchor: torch.Tensor) -> None:
+        unit = self.unit()
+        if unit is not None:
+            unit._post_backward(anchor)
+
+
 class _InputWatch:
     """One forward call of a unit with frozen parameters, until backward has computed its inputs' gradients."""
 
@@ -400,7 +421,7 @@ class UnitState:
         self._hook_handles.append(m.register_forward_hook(self._post_forward, always_call=True))
         for handle in self.handles:  # also for frozen units: requires_grad may change while training
             self._hook_handles.append(
-                handle.grad_anchor.register_post_accumulate_grad_hook(self._post_backward)
+                handle.grad_anchor.register_post_accumulate_grad_hook(_AnchorHook(self))
             )
 
     @property

@@ -403,6 +403,7 @@ class ShmGroup:
                     segment.close()
                 return
             fn, label, tensors, work = item
+            del item
             if self._broken is not None:
                 work._finish(_stopped(self._broken))
                 continue
@@ -420,6 +421,7 @@ class ShmGroup:
                 work._finish()
             finally:
                 watchdog.unblocked()
+                self._label = None
             del fn, tensors, work, label  # no reference outlives the collective
 
     # -- steps -------------------------------------------------------------------------------------

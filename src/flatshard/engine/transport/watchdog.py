@@ -550,6 +550,7 @@ def _heartbeat(monitor: Monitor) -> None:
             c10d={**{state.name: c10d_seq(pg) for pg, state in states}, **mine.get("c10d", {})},
             issued={state.name: list(state.issued) for _, state in states if state.issued},
         )
+        del states  # no process group is held across beats: each goes when destroyed
         try:
             store.set(f"{_PREFIX}{rank}", json.dumps(mine))
             if store.check([_VERDICT_KEY]):
