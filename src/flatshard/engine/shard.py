@@ -34,7 +34,7 @@ from flatshard.engine.setup.materialize import (
 from flatshard.engine.setup.process_groups import resolve_groups
 from flatshard.engine.setup.wrap import plan_units, select_unit_modules
 from flatshard.engine.step.whole_tensor import install_hooks, register_whole_tensor_optimizer
-from flatshard.engine.transport import comm, memory, shm, watchdog
+from flatshard.engine.transport import comm, memory, watchdog
 from flatshard.engine.transport.env import check_environment
 from flatshard.engine.transport.interface import Transport
 from flatshard.engine.unfilled import BufferMark
@@ -110,12 +110,12 @@ def shard(
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
     opts = replace(opts, device=target)
-    if target.type == "cpu" and dist.is_initialized():
-        # The shared-memory transport of each group is set up here, where every rank is in step, not inside
-        # the first flat collective: a rank that skipped it would leave its peers in the setup's own
-        # torch.distributed collective, where no flatshard wait can report the desync.
-        for group in groups:
-            shm.shm_group(group)
+    finished = {m for m in module.modules() if m is not module and get_unit_state(m) is not None}
+    # one transport for the model: the one of the units sharded before, if it serves these groups
+    inner = [h.transport for s in map(get_unit_state, finished) if s is not None for h in s.handles]
+    transport = next((t for t in inner if t.serves(shard_group, replicate_group, target)), None)
+    transport = transport or Transport(shard_group, replicate_group, target)
+    transport.connect()  # collective: every rank is in step here
     # A meta target is a dry run: nothing is materialized (see [Note: sharding on the meta device]).
     dry_run = target.type == "meta"
     deferred = not dry_run and any(
@@ -128,7 +128,6 @@ def shard(
             stacklevel=2,
         )
 
-    finished = {m for m in module.modules() if m is not module and get_unit_state(m) is not None}
     # Only the outermost finished units matter: their subtrees are done.
     managed = {p for m in finished for s in [get_unit_state(m)] if s for h in s.handles for p in h.params}
     _check_same_hybrid_groups(module, finished, strategy, shard_group, replicate_group)
@@ -154,10 +153,6 @@ def shard(
     inits = Initializers.of(module) if deferred else Initializers()
     made = Materialized()  # what nothing gave values: see [Note: unfilled tensors]
     keep_meta = sync_group is None  # else rank 0's values are broadcast into full storage
-    # one transport for the model: the one of the units sharded before, if it serves these groups
-    inner = [h.transport for s in map(get_unit_state, finished) if s is not None for h in s.handles]
-    transport = next((t for t in inner if t.serves(shard_group, replicate_group, target)), None)
-    transport = transport or Transport(shard_group, replicate_group, target)
     all_handles: list[FlatParamHandle] = []
     for plan in plans:
         if deferred:  # see [Note: materializing unit by unit]

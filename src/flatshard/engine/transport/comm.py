@@ -301,6 +301,12 @@ def _shm_for(group: ProcessGroup | None, *tensors: torch.Tensor) -> shm.ShmGroup
     return shm.shm_group(group)
 
 
+def connect(group: ProcessGroup | None) -> None:
+    """Collective over ``group`` (``None``: the default group): set up how its flat collectives run (the
+    shared-memory channel, or the backend), as its first flat collective would."""
+    shm.shm_group(group)
+
+
 def reads_pieces(group: ProcessGroup | None) -> bool:
     """Whether :func:`reduce_scatter_flat` reads a :class:`FlatPieces` input in place on ``group``.
 

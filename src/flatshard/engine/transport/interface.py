@@ -64,6 +64,18 @@ class Transport:
             and self.device == device
         )
 
+    def connect(self) -> None:
+        """Collective over its groups: agree on how their collectives run now (the shared-memory channel of CPU
+        ranks; see [Note: shared-memory collectives]). ``shard()`` calls it where every rank is in step, not
+        inside the first flat collective: a rank that skipped it would leave its peers in the setup's own
+        torch.distributed collective, where no flatshard wait can report the desync."""
+        if self.device.type != "cpu" or not (dist.is_available() and dist.is_initialized()):
+            return
+        for group in [self.shard_group] + (
+            [self.replicate_group] if self.replicate_group is not None else []
+        ):
+            comm.connect(group)
+
     # ------------------------------------------------------------------ collectives
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, where: Any = None) -> comm.Pending:
         """Every rank's ``shard`` into ``output`` over the shard group, asynchronously."""
