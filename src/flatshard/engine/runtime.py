@@ -135,7 +135,14 @@ class TrainingState(enum.Enum):
 
 
 class RootContext:
-    """Per-root data, created once on the root's first forward (lazy init) and cached."""
+    """Per-root data, created once on the root's first forward (lazy init) and cached.
+
+    [Note: what a root owns]
+    As torch FSDP2's comm context, it holds what the root's units share in a step: streams, the limiter, the
+    execution order, the reductions in flight, and its units' transports (whose gathered blocks it returns at
+    the end of a pass). Its units hold it and it holds them; with their module it goes. What belongs to a
+    process group rather than a root is the group's (see [Note: state per process group]).
+    """
 
     def __init__(self, root: UnitState, states: list[UnitState]) -> None:
         self.root = root
