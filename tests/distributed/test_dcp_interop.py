@@ -242,6 +242,7 @@ def test_flat_boxes_tile_the_range_and_are_contiguous() -> None:
                 assert torch.equal(got, torch.arange(start, stop)), (shape, start, stop)
 
 
+@pytest.mark.slow
 def test_flatshard_directory_holds_global_shapes_for_torch_tools(tmp_path: Path) -> None:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -270,9 +271,8 @@ def test_flatshard_loads_a_lightning_fsdp_sharded_checkpoint_on_any_world_size(
     assert result["extra"] == {"epoch": 1, "global_step": STEPS}
 
 
-@pytest.mark.parametrize(
-    "keys", [("state_dict", "optimizer_0"), pytest.param(("model", "optim"), marks=pytest.mark.slow)]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("keys", [("state_dict", "optimizer_0"), ("model", "optim")])
 def test_flatshard_loads_fsdp2_get_state_dict_checkpoints(tmp_path: Path, keys: tuple[str, str]) -> None:
     ckpt = tmp_path / "fsdp2"
     spawn(_write_fsdp2, 2, str(ckpt), *keys)
@@ -300,6 +300,7 @@ def test_lightning_fsdp_and_fsdp2_load_a_flatshard_checkpoint(tmp_path: Path) ->
     _assert_matches(fsdp2["weights"], fsdp2["state"], "flatshard -> FSDP2")
 
 
+@pytest.mark.slow
 def test_a_foreign_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_path: Path) -> None:
     ckpt = tmp_path / "fsdp2"
     spawn(_write_fsdp2, 2, str(ckpt), "model", "optim")

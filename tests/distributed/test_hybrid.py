@@ -230,6 +230,7 @@ def _validation(rank: int, world: int) -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hybrid_validation_and_sync_module_states() -> None:
     results = spawn(_validation, 4)

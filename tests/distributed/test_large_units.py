@@ -15,6 +15,8 @@ from flatshard.engine.shard import unit_states
 from flatshard.engine.transport import memory
 from flatshard.testing import spawn
 
+pytestmark = pytest.mark.slow
+
 STEPS = 3
 PER_RANK = 4
 MICRO = 2  # backward passes per optimizer step: reduced gradient shards add up across them
@@ -66,14 +68,6 @@ def _run(rank: int, world: int, strategy: str) -> None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize(
-    "strategy",
-    [
-        "FULL_SHARD",
-        pytest.param("SHARD_GRAD_OP", marks=pytest.mark.slow),
-        pytest.param("NO_SHARD", marks=pytest.mark.slow),
-        pytest.param("FULL_SHARD+offload", marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "FULL_SHARD+offload"])
 def test_large_units_match_the_unsharded_model(strategy: str) -> None:
     spawn(_run, 2, strategy)

@@ -25,6 +25,8 @@ from flatshard.engine import unit_states
 from flatshard.engine.transport import comm
 from flatshard.testing import spawn
 
+pytestmark = pytest.mark.slow
+
 D, R = 64, 4
 
 
@@ -222,7 +224,6 @@ def test_low_precision_base_trains_like_the_plain_model(tmp_path: Path) -> None:
             assert torch.equal(resumed[name][key], value), (name, key)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_low_precision_base_hybrid(tmp_path: Path) -> None:
     _check(spawn(_train, 4, HYBRID, str(tmp_path)), HYBRID)

@@ -182,6 +182,7 @@ def _sabotaged(rank: int, world: int) -> dict[str, list[str]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_checker_reports_a_removed_wait() -> None:
     for r in spawn(_sabotaged, 2):

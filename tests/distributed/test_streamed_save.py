@@ -80,6 +80,7 @@ def _equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_streamed_full_save_is_the_full_state_and_resumes_elsewhere(tmp_path: Path) -> None:
     saved = spawn(_save, 2, str(tmp_path))

@@ -650,6 +650,7 @@ def _adafactor_resume(rank: int, world: int, folder: str, kind: str, strategy: s
     return {"state": flatshard.get_state_dict(model, None)[0]}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor")
 def test_state_not_shaped_like_its_parameter_saves_and_resumes(tmp_path: Any) -> None:
     """Adafactor's row and column statistics: whole in the full file (the plain format), replicated in the

@@ -446,6 +446,7 @@ def _verdict_on_exit(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_a_peer_exit_reports_the_verdict_about_any_wait_of_this_process() -> None:
     (result,) = spawn(_verdict_on_exit, 1, timeout=60)
     assert result["other"] is None, result

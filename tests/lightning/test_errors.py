@@ -327,6 +327,7 @@ def test_checkpoint_of_another_model_names_file_key_and_shapes(bad_checkpoints: 
         assert "model.wte.weight" in message and "(41, 13)" in message and "(37, 13)" in message, message
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_truncated_checkpoint_is_a_checkpoint_error_naming_the_file(bad_checkpoints: dict[str, Any]) -> None:
     path = str(bad_checkpoints["paths"]["truncated"])
@@ -335,6 +336,7 @@ def test_truncated_checkpoint_is_a_checkpoint_error_naming_the_file(bad_checkpoi
         assert path in record["message"], record["message"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_missing_checkpoint_is_file_not_found(bad_checkpoints: dict[str, Any]) -> None:
     path = str(bad_checkpoints["paths"]["missing"])
@@ -343,6 +345,7 @@ def test_missing_checkpoint_is_file_not_found(bad_checkpoints: dict[str, Any]) -
         assert path in record["message"], record["message"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_optimizer_state_that_does_not_fit_loads_nothing(bad_checkpoints: dict[str, Any]) -> None:
     """Same model, optimizer saved with two param groups, resumed with one: a CheckpointError naming the file
@@ -359,6 +362,7 @@ def test_optimizer_state_that_does_not_fit_loads_nothing(bad_checkpoints: dict[s
         )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ranks_resume_correctly_after_the_failures(bad_checkpoints: dict[str, Any]) -> None:
     """The valid checkpoint (1 step of batch 4) resumed on 2 ranks for 1 more step, after the errors above."""

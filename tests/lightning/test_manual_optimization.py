@@ -29,6 +29,8 @@ from .lit_common import (
     strip_prefix,
 )
 
+pytestmark = pytest.mark.slow
+
 STEPS = 3
 GLOBAL_BATCH = 4
 CLIP = 0.05

@@ -41,7 +41,10 @@ TOPK_EPOCHS = 2  # the ModelCheckpoint run: 6 saves, of which top-2 + last.ckpt 
 LOSS_TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 # Resuming from a ModelCheckpoint's file without that callback is intended here (both sides do it).
-pytestmark = pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`:UserWarning")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`:UserWarning"),
+]
 
 
 def _top_k_callback(dirpath: str) -> ModelCheckpoint:
@@ -237,7 +240,6 @@ def test_sharded_save_writes_a_directory_from_every_rank(
     _assert_same_training_state(_consolidated(path, tmp_path), reference["first"], "sharded save vs 1 device")
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["root_from_sharded", "size_from_sharded"])
 def test_sharded_directory_resumes_on_three_ranks_with_other_wrap_policies(
@@ -259,7 +261,6 @@ def test_sharded_directory_resumes_on_three_ranks_with_other_wrap_policies(
     assert _hidden(resumed_on_three_ranks["dir"]) == []
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sharded_directory_resumes_on_one_device(
     first_runs: dict[str, Any], reference: dict[str, Any], tmp_path: Path
@@ -307,7 +308,6 @@ def test_model_checkpoint_directory_consolidates_into_a_plain_lightning_file(
         )
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_last_ckpt_directory_resumes(
     resumed_on_three_ranks: dict[str, Any], reference: dict[str, Any]

@@ -226,10 +226,22 @@ def single_device(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[st
     return out
 
 
+# What the quick tier's tests of this module read (see tests/conftest.py); the rest of the matrix is slow.
+QUICK_CASES = ["ddp", "flatshard"]
+
+
+def _cases_to_train(request: pytest.FixtureRequest) -> list[str]:
+    """Every case in one spawn; only the quick tier's cases when no slow test of this module is selected."""
+    selected = [item for item in request.session.items if item.module is request.module]
+    if any(item.get_closest_marker("slow") for item in selected):
+        return list(CASES)
+    return QUICK_CASES
+
+
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def two_ranks(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, Any]:
     directory = tmp_path_factory.mktemp("two_ranks")
-    names = list(CASES)
+    names = _cases_to_train(request)
     per_rank = spawn(_train_all, 2, names, 2, str(directory))
     return {"ranks": per_rank, "ckpt": {n: load_ckpt(directory / f"{n}_w2.ckpt") for n in names}}
 
