@@ -14,10 +14,11 @@ import torch
 
 from ..scripts import run_script
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_gpu_check_worker_passes_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "parity.json"

@@ -209,16 +209,8 @@ def good_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.mark.parametrize(
-    "damage",
-    [
-        "truncate",
-        pytest.param("missing_shard", marks=pytest.mark.slow),
-        pytest.param("no_metadata", marks=pytest.mark.slow),
-        pytest.param("wrong_model", marks=pytest.mark.slow),
-        pytest.param("version", marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.slow  # tests/faults/test_damaged_checkpoints.py refuses damaged directories in the quick tier
+@pytest.mark.parametrize("damage", ["truncate", "missing_shard", "no_metadata", "wrong_model", "version"])
 def test_damaged_sharded_checkpoint_fails_before_any_change(
     tmp_path: Path, good_checkpoint: Path, damage: str
 ):
