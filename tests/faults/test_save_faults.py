@@ -200,11 +200,9 @@ def _assert_holds(path: Path, saved: dict[str, Any], scratch: Path) -> None:
     assert _states_equal(ckpt["state_dict"], saved)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize(
-    "kind",
-    ["sharded", pytest.param("async", marks=pytest.mark.slow), pytest.param("full", marks=pytest.mark.slow)],
-)
+@pytest.mark.parametrize("kind", ["sharded", "async", "full"])
 def test_a_full_disk_fails_the_save_on_every_rank(tmp_path: Path, small_disk: Path, kind: str) -> None:
     """On one rank (the writer of a full file, rank 1 otherwise), then on all ranks."""
     try:  # the failing rank mounts in a namespace of its own: check that it may

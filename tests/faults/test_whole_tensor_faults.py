@@ -17,7 +17,10 @@ from flatshard.engine.transport import watchdog
 from flatshard.testing import spawn
 from flatshard.testing.models import Block, TinyGPT, make_batch
 
-pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor"),
+]
 
 LIMIT = 2.0
 
@@ -78,7 +81,6 @@ def test_a_rank_that_skips_a_whole_tensor_step_makes_every_rank_raise() -> None:
     assert "HINT" in error, error
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_rank_slow_inside_a_whole_tensor_step_is_never_reported() -> None:
     for rank, r in enumerate(spawn(_run, 2, "slow_closure", timeout=120)):

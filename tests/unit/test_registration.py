@@ -36,9 +36,10 @@ import flatshard
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "imports",
-    [FLATSHARD_FIRST, pytest.param(LIGHTNING_FIRST, marks=pytest.mark.slow)],
+    [FLATSHARD_FIRST, LIGHTNING_FIRST],
     ids=["flatshard_first", "lightning_first"],
 )
 def test_names_resolve_in_the_trainer_and_fabric(imports: str) -> None:
