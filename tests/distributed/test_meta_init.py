@@ -153,6 +153,7 @@ def test_meta_init_default_reset_and_sync() -> None:
         assert 0.01 < r["std"] < 1.0, r  # initialized, not zeros or garbage
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_meta_init_never_holds_the_whole_model() -> None:
     for r in spawn(_big_model_peak, 2):

@@ -253,6 +253,7 @@ def _disagree(rank: int, world: int, case: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_a_rank_with_other_live_parameters_raises_naming_them_and_training_goes_on() -> None:
     ranks = spawn(_disagree, 2, "live")
     for r in ranks:
@@ -305,6 +306,7 @@ def _bad_load(rank: int, world: int) -> dict[str, Any]:
     return {"error": None}
 
 
+@pytest.mark.slow
 def test_a_load_that_went_wrong_on_one_rank_raises_on_every_rank() -> None:
     ranks = spawn(_bad_load, 2)
     said = "Muon's loaded state 'momentum_buffer' of sharded parameter '4.weight' (shape (24, 24)) has"
@@ -595,6 +597,7 @@ def _written(rank: int, world: int, folder: str) -> dict[str, Any]:
     return {"state": flatshard.get_state_dict(model, None)[0], "values": values}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor")
 def test_every_writer_of_pieces_makes_the_owners_take_new_values(tmp_path: Any) -> None:
     ranks = spawn(_written, 2, str(tmp_path))
@@ -694,6 +697,7 @@ def _stock(rank: int, world: int) -> dict[str, Any]:
     return _run(rank, world, "FULL_SHARD", False, "before")
 
 
+@pytest.mark.slow
 def test_stock_muon_within_bfloat16_rounding() -> None:
     """Muon as torch ships it (Newton-Schulz in bfloat16): the same run within bfloat16's rounding of the
     orthogonalised updates, the AdamW-updated parameters as exactly as elsewhere."""
