@@ -188,8 +188,8 @@ comm_stats = CommStats()
 def timeline() -> Iterator[list[CollectiveTiming]]:
     """Record a :class:`CollectiveTiming` for every collective issued inside the block, in issue order.
 
-    What ``benchmarks/overlap.py`` uses to show how much communication overlaps compute on CPU. Off
-    (and free) outside the block.
+    What ``python -m benchmarks train --timeline`` uses to show how much communication overlaps compute on
+    CPU. Off (and free) outside the block.
     """
     records: list[CollectiveTiming] = []
     previous, comm_stats.recording = comm_stats.recording, records
