@@ -362,9 +362,10 @@ def summarize(name: str, runs: list[list[dict[str, Any]]], cfg: dict[str, Any]) 
     if any(sent.values()):
         metrics.update({f"{k}_mib": v / 2**20 for k, v in sent.items()})
         metrics["reduce_mib"] = (sent["reduce_scatter"] + sent["all_reduce"]) / 2**20
-        hybrid = reg.get(name).options.get("strategy", "").startswith("HYBRID")
-        # outside a shard group: a hybrid contender's all-reduce of shards only; else every collective
-        metrics["cross_group_mib"] = (sent["all_reduce"] if hybrid else sum(sent.values())) / 2**20
+        # bytes that leave a shard group: a hybrid contender's all-reduce only, anyone else's every collective
+        if world > cfg["shard_group_size"]:
+            hybrid = reg.get(name).options.get("strategy", "").startswith("HYBRID")
+            metrics["cross_group_mib"] = (sent["all_reduce"] if hybrid else sum(sent.values())) / 2**20
     for key in ("trainable_params", "saved_activations_mib", "cuda_max_allocated_mib", "cuda_alloc_retries"):
         if key in last[0]:
             metrics[key] = [r[key] for r in last] if key.startswith("cuda") else last[0][key]
