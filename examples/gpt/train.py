@@ -27,6 +27,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import TQDMProgressBar
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -298,6 +299,26 @@ def make_strategy(args: argparse.Namespace) -> Any:
     return args.strategy
 
 
+class StepProgressBar(TQDMProgressBar):
+    """Counts optimizer steps toward ``max_steps`` across epochs and resumes ("Steps 1000/1000"), not batches
+    of an epoch the run never finishes (the training set holds more batches than the run takes)."""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        bar = self.train_progress_bar  # made in on_train_start; kept across epochs
+        bar.set_description("Steps", refresh=False)
+        bar.reset(total=trainer.max_steps)
+        bar.n = bar.initial = trainer.global_step
+        bar.refresh()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        bar, step = self.train_progress_bar, trainer.global_step
+        if not bar.disable and (step % self.refresh_rate == 0 or step == trainer.max_steps):
+            bar.n = step
+            bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -329,8 +350,8 @@ def main(argv: list[str] | None = None) -> None:
         devices=args.devices,
         strategy=make_strategy(args),
         max_steps=args.max_steps,
-        # max_steps ends the run. A finite max_epochs keeps the progress bar's "Epoch 0/1" sensible; one more
-        # than needed, as a run stopped by max_steps mid-epoch resumes at the next epoch.
+        # max_steps ends the run; the progress bar counts steps toward it. A finite max_epochs, one more than
+        # needed, as a run stopped by max_steps mid-epoch resumes at the next epoch.
         max_epochs=math.ceil(args.max_steps / steps_per_epoch) + 1,
         # validate once, after the last step (counted across epochs and resumes)
         val_check_interval=args.max_steps,
@@ -339,6 +360,7 @@ def main(argv: list[str] | None = None) -> None:
         logger=False,
         enable_checkpointing=False,
         log_every_n_steps=10,
+        callbacks=[StepProgressBar()],
     )
     trainer.fit(module, train_loader, val_loader, ckpt_path=args.resume)
     if args.ckpt_out:

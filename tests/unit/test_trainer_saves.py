@@ -34,7 +34,8 @@ def test_the_instance_is_wrapped_once_and_counts_calls_in_progress() -> None:
     assert not saves.active
     trainer.save_checkpoint("a.ckpt", weights_only=True)
     trainer.save_checkpoint("b.ckpt")
-    assert trainer.seen == [("a.ckpt", True, True), ("b.ckpt", False, True)]
+    trainer.save_checkpoint("c.ckpt", None)
+    assert trainer.seen == [("a.ckpt", True, True), ("b.ckpt", False, True), ("c.ckpt", None, True)]
     assert not saves.active and saves.calls_in_progress == 0
     assert "save_checkpoint" in vars(trainer) and L.Trainer.save_checkpoint is on_class
 
@@ -66,7 +67,7 @@ def test_another_strategy_wraps_its_own_trainer_only() -> None:
 
 
 class _Saver:
-    def save_checkpoint(self, filepath: str) -> str:
+    def save_checkpoint(self, filepath: str, weights_only: bool | None = None) -> str:
         return filepath
 
 

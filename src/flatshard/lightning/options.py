@@ -392,12 +392,19 @@ def _from_fsdp_arguments(arguments: Mapping[str, Any], who: str) -> Mapping[str,
     bad = [name for name in _FSDP_ONLY if name in out]
     if bad:
         raise TypeError(
-            f"{', '.join(f'{n}={out[n]!r}' for n in bad)} {'is' if len(bad) == 1 else 'are'} not an option of {who} "
+            f"{', '.join(f'{n}={_short_repr(out[n])}' for n in bad)} {'is' if len(bad) == 1 else 'are'} not an option "
+            f"of {who} "
             f"(Lightning's FSDPStrategy takes {'it' if len(bad) == 1 else 'them'}). HINT: "
             + "; ".join(f"{n}: {_FSDP_ONLY[n]}" for n in bad)
             + "."
         )
     return out
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` on one line, cut to ``limit`` characters (a module's or a tensor's repr spans many)."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _closest(name: str, taken: list[str]) -> str:

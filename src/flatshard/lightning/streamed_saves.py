@@ -20,7 +20,8 @@ dict, and an asynchronous save (which writes after the call returns) always does
 How the strategy knows it is inside ``Trainer.save_checkpoint``: in ``setup`` it wraps that method on its own
 Trainer instance (an instance attribute, :class:`TrainerSaves`), once; the wrapper counts the calls in progress.
 Every route to a Trainer save goes through the instance attribute (``ModelCheckpoint``, the user's own
-``trainer.save_checkpoint``), nothing is patched on the class, and the count lives on the strategy.
+``trainer.save_checkpoint``), nothing is patched on the class, and the count lives on the strategy. A call
+without ``weights_only`` passes Lightning's default (``False``) itself, so no rank logs that it was not set.
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ class _WatchedSave:
         self.saves = saves
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) < 2 and kwargs.get("weights_only") is None:
+            # Lightning's default, said explicitly: otherwise every rank logs "`weights_only` was not set"
+            kwargs["weights_only"] = False
         self.saves.calls_in_progress += 1
         try:
             return self.save(*args, **kwargs)
