@@ -381,9 +381,9 @@ def estimate(
         target: ``"module.path:factory"`` or the factory itself: a callable returning a module, or
             ``(module, example_batch)``; it is called under ``torch.device("meta")``.
         world_size: ranks to estimate for: an int, ``"8,64,512"`` or a list.
-        sharding_strategy, auto_wrap_policy, mixed_precision, cpu_offload, activation_checkpointing_policy,
-            limit_all_gathers, backward_prefetch, forward_prefetch, reshard_root_after_forward: as for
-            :class:`flatshard.ShardOptions` (the strategy's own options).
+        sharding_strategy: as for :class:`flatshard.ShardOptions` (the strategy's own options), and so are
+            ``auto_wrap_policy``, ``mixed_precision``, ``cpu_offload``, ``activation_checkpointing_policy``,
+            ``limit_all_gathers``, ``backward_prefetch``, ``forward_prefetch`` and ``reshard_root_after_forward``.
         shard_group_size: hybrid strategies: ranks per shard group (an int or several). Default: 8 (or the
             world size, when smaller).
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd-momentum"``, ``"muon"``, ``"none"`` or an
