@@ -19,8 +19,8 @@ import importlib.abc
 import importlib.machinery
 import sys
 import threading
-from collections.abc import Callable, Sequence
-from types import ModuleType
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType, ModuleType
 from typing import Any
 
 from flatshard.strategy_names import register_names
@@ -41,10 +41,12 @@ def _fabric_strategy(**kwargs: Any) -> Any:
 
 
 # module that defines a registry -> (registry attribute, factory)
-_REGISTRIES: dict[str, tuple[str, Callable[..., Any]]] = {
-    "lightning.pytorch.strategies": ("StrategyRegistry", _trainer_strategy),
-    "lightning.fabric.strategies": ("STRATEGY_REGISTRY", _fabric_strategy),
-}
+_REGISTRIES: Mapping[str, tuple[str, Callable[..., Any]]] = MappingProxyType(
+    {
+        "lightning.pytorch.strategies": ("StrategyRegistry", _trainer_strategy),
+        "lightning.fabric.strategies": ("STRATEGY_REGISTRY", _fabric_strategy),
+    }
+)
 
 
 def _register_module(module: ModuleType) -> None:
@@ -109,14 +111,11 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-_FINDER = _Finder()
-
-
 def install() -> None:
     """Register the names in the registries already imported, and in the others once they are imported."""
     for name in _REGISTRIES:
         module = sys.modules.get(name)
         if module is not None:
             _register_module(module)
-    if not any(f is _FINDER for f in sys.meta_path):
-        sys.meta_path.insert(0, _FINDER)
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):  # the import system owns the one finder
+        sys.meta_path.insert(0, _Finder())

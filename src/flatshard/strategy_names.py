@@ -3,24 +3,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 __all__ = ["STRATEGY_NAMES", "register_names"]
 
 # name -> (description, init arguments)
-STRATEGY_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
-    "flatshard": ("flatshard: fully sharded (FULL_SHARD)", {"sharding_strategy": "FULL_SHARD"}),
-    "flatshard_grad_op": (
-        "flatshard: gradients and optimizer state sharded (SHARD_GRAD_OP)",
-        {"sharding_strategy": "SHARD_GRAD_OP"},
-    ),
-    "flatshard_hybrid": (
-        "flatshard: sharded within a node, replicated across nodes (HYBRID_SHARD)",
-        {"sharding_strategy": "HYBRID_SHARD"},
-    ),
-    "flatshard_offload": ("flatshard: fully sharded with parameters offloaded to CPU", {"cpu_offload": True}),
-}
+STRATEGY_NAMES: Mapping[str, tuple[str, dict[str, Any]]] = MappingProxyType(
+    {
+        "flatshard": ("flatshard: fully sharded (FULL_SHARD)", {"sharding_strategy": "FULL_SHARD"}),
+        "flatshard_grad_op": (
+            "flatshard: gradients and optimizer state sharded (SHARD_GRAD_OP)",
+            {"sharding_strategy": "SHARD_GRAD_OP"},
+        ),
+        "flatshard_hybrid": (
+            "flatshard: sharded within a node, replicated across nodes (HYBRID_SHARD)",
+            {"sharding_strategy": "HYBRID_SHARD"},
+        ),
+        "flatshard_offload": (
+            "flatshard: fully sharded with parameters offloaded to CPU",
+            {"cpu_offload": True},
+        ),
+    }
+)
 
 
 def register_names(registry: Any, strategy: Callable[..., Any]) -> None:

@@ -134,6 +134,8 @@ def _world() -> int:
 class _Object:
     """A placeholder for a non-tensor entry to be read."""
 
+    __slots__ = ()
+
 
 class SavePlanner(DefaultSavePlanner):
     """Writes :class:`ParamShard` entries as the boxes of their global shape, tensors whole, anything else

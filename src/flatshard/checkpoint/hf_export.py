@@ -34,6 +34,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import IO, Any
 
 import torch
@@ -61,34 +62,38 @@ __all__ = [
 
 WEIGHTS_NAME = "model.safetensors"  # the one file of an export that fits the limit
 INDEX_NAME = "model.safetensors.index.json"
-FILE_METADATA = {"format": "pt"}  # what transformers writes into each file's header
+FILE_METADATA = MappingProxyType({"format": "pt"})  # what transformers writes into each file's header
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 _SHARD_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
+_UNITS = MappingProxyType(
+    {
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
+)
 _SIZE = re.compile(r"^\s*(?P<value>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[A-Za-z]*)\s*$")
 _CHUNK_BYTES = 16 * 2**20  # largest single write
-_DTYPE_NAMES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float64": torch.float64,
-    "fp64": torch.float64,
-}
+_DTYPE_NAMES = MappingProxyType(
+    {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "float": torch.float32,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "half": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float64": torch.float64,
+        "fp64": torch.float64,
+    }
+)
 
 
 def parse_max_shard_size(value: int | str) -> int:

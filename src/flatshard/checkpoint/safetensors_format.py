@@ -16,6 +16,7 @@ import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -34,29 +35,31 @@ __all__ = [
 HEADER_LIMIT = 100 * 2**20  # the safetensors package refuses larger headers; a larger one is damage
 
 # safetensors dtype code -> torch dtype (the codes of the safetensors specification)
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
-    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
-    "F8_E8M0": torch.float8_e8m0fnu,
-    "F4": torch.float4_e2m1fn_x2,
-    "C64": torch.complex64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U64": torch.uint64,
-    "U32": torch.uint32,
-    "U16": torch.uint16,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-CODES: dict[torch.dtype, str] = {dtype: code for code, dtype in DTYPES.items()}
+DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E5M2": torch.float8_e5m2,
+        "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+        "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+        "F8_E8M0": torch.float8_e8m0fnu,
+        "F4": torch.float4_e2m1fn_x2,
+        "C64": torch.complex64,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U64": torch.uint64,
+        "U32": torch.uint32,
+        "U16": torch.uint16,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+    }
+)
+CODES: Mapping[torch.dtype, str] = MappingProxyType({dtype: code for code, dtype in DTYPES.items()})
 
 
 @dataclass(frozen=True)

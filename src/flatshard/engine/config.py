@@ -15,6 +15,7 @@ import importlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 import torch
@@ -173,21 +174,23 @@ class CPUOffload:
     offload_params: bool = False
 
 
-_DTYPE_NAMES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp32": torch.float32,
-    "32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp64": torch.float64,
-    "float64": torch.float64,
-    "double": torch.float64,
-}
+_DTYPE_NAMES = MappingProxyType(
+    {
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "fp16": torch.float16,
+        "16": torch.float16,
+        "float16": torch.float16,
+        "half": torch.float16,
+        "fp32": torch.float32,
+        "32": torch.float32,
+        "float32": torch.float32,
+        "float": torch.float32,
+        "fp64": torch.float64,
+        "float64": torch.float64,
+        "double": torch.float64,
+    }
+)
 
 
 def _to_dtype(value: object, field: str) -> torch.dtype | None:

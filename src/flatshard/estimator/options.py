@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
@@ -39,26 +40,30 @@ class Link(NamedTuple):
 
 # Per-GPU figures in one direction: NVLink 4 (H100 SXM, 900 GB/s both directions), one 400 Gb/s NDR InfiniBand
 # NIC per GPU, one 100 Gb/s Ethernet NIC per GPU.
-LINKS: dict[str, Link] = {
-    "nvlink": Link("nvlink", 450e9, 2e-6),
-    "infiniband": Link("infiniband", 50e9, 5e-6),
-    "ethernet": Link("ethernet", 12.5e9, 25e-6),
-}
+LINKS: Mapping[str, Link] = MappingProxyType(
+    {
+        "nvlink": Link("nvlink", 450e9, 2e-6),
+        "infiniband": Link("infiniband", 50e9, 5e-6),
+        "ethernet": Link("ethernet", 12.5e9, 25e-6),
+    }
+)
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "muon", "none")
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 1e3,
-    "mb": 1e6,
-    "gb": 1e9,
-    "tb": 1e12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
+_UNITS = MappingProxyType(
+    {
+        "": 1,
+        "b": 1,
+        "kb": 1e3,
+        "mb": 1e6,
+        "gb": 1e9,
+        "tb": 1e12,
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+    }
+)
 
 
 def parse_bytes(value: str | float | int, what: str) -> int:

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
 from datetime import timedelta
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -341,31 +342,35 @@ def takes_options(arguments: type, omitted: Mapping[str, str] | None = None) -> 
 # ---------------------------------------------------------------------------------------------- descriptions
 # The strategies' own arguments, which adapt Lightning and are not sharding options (see [Note: options
 # described once]).
-SHELL_ARGUMENTS: dict[str, str] = {
-    "accelerator": "the accelerator; set by the Trainer or Fabric from their ``accelerator`` argument.",
-    "parallel_devices": "the devices of this node's ranks; set from ``devices``.",
-    "cluster_environment": "where the ranks learn their rank and the address of rank 0; set by Lightning.",
-    "checkpoint_io": "Lightning's checkpoint plugin, used only for paths flatshard does not write itself.",
-    "precision_plugin": "the precision plugin; set from ``Trainer(precision=...)``.",
-    "precision": "the precision plugin; set from ``Fabric(precision=...)``.",
-    "process_group_backend": '``"gloo"`` / ``"nccl"``; default: by device.',
-    "timeout": "process-group timeout: how long a collective may wait before the backend gives up.",
-}
+SHELL_ARGUMENTS: Mapping[str, str] = MappingProxyType(
+    {
+        "accelerator": "the accelerator; set by the Trainer or Fabric from their ``accelerator`` argument.",
+        "parallel_devices": "the devices of this node's ranks; set from ``devices``.",
+        "cluster_environment": "where the ranks learn their rank and the address of rank 0; set by Lightning.",
+        "checkpoint_io": "Lightning's checkpoint plugin, used only for paths flatshard does not write itself.",
+        "precision_plugin": "the precision plugin; set from ``Trainer(precision=...)``.",
+        "precision": "the precision plugin; set from ``Fabric(precision=...)``.",
+        "process_group_backend": '``"gloo"`` / ``"nccl"``; default: by device.',
+        "timeout": "process-group timeout: how long a collective may wait before the backend gives up.",
+    }
+)
 _LOCALS = frozenset({"self", "__class__"})
 _SET_BY_STRATEGY = frozenset({"device"})  # ShardOptions fields a strategy sets itself
 
 
 # Arguments of Lightning's FSDPStrategy (and torch FSDP's, which it passes on) that flatshard's strategies do not
 # take under that name: what each means here. Users move FSDPStrategy configurations over as they are.
-_FSDP_ONLY: dict[str, str] = {
-    "use_orig_params": "flatshard always keeps the original Parameter objects (use_orig_params=True is its only "
-    "behaviour): drop the argument",
-    "device_id": "each rank runs on the device the Trainer or Fabric gives it (devices=...): drop the argument",
-    "ignored_modules": "the strategies shard every module's parameters; flatshard.shard(module, "
-    "ignored_modules=[...]) takes it in plain PyTorch, or freeze those parameters (requires_grad=False)",
-    "ignored_states": "the strategies shard every module's parameters; flatshard.shard(module, "
-    "ignored_modules=[...]) takes the modules in plain PyTorch",
-}
+_FSDP_ONLY: Mapping[str, str] = MappingProxyType(
+    {
+        "use_orig_params": "flatshard always keeps the original Parameter objects (use_orig_params=True is its only "
+        "behaviour): drop the argument",
+        "device_id": "each rank runs on the device the Trainer or Fabric gives it (devices=...): drop the argument",
+        "ignored_modules": "the strategies shard every module's parameters; flatshard.shard(module, "
+        "ignored_modules=[...]) takes it in plain PyTorch, or freeze those parameters (requires_grad=False)",
+        "ignored_states": "the strategies shard every module's parameters; flatshard.shard(module, "
+        "ignored_modules=[...]) takes the modules in plain PyTorch",
+    }
+)
 
 
 def _from_fsdp_arguments(arguments: Mapping[str, Any], who: str) -> Mapping[str, Any]:

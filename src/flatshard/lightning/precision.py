@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
+from types import MappingProxyType
 from typing import Any, Literal, cast
 
 import torch
@@ -48,7 +49,7 @@ __all__ = [
 
 PrecisionFlag = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
 _FLAGS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
-_LOW = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32}
+_LOW = MappingProxyType({"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32})
 _AMP_KEY = LightningMixedPrecision.__qualname__  # where Lightning's AMP plugin keeps its scaler state
 
 

@@ -33,7 +33,7 @@ class DistributedTestError(RuntimeError):
     """A rank of a spawned run failed; the message holds that rank's traceback."""
 
 
-_PRELOAD = ["torch", "torch.distributed", "flatshard"]
+_PRELOAD = ("torch", "torch.distributed", "flatshard")
 
 
 def _context(method: str | None) -> Any:
@@ -53,7 +53,7 @@ def _context(method: str | None) -> Any:
         method = "spawn"
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(_PRELOAD)  # only read when the server starts (once per process)
+        ctx.set_forkserver_preload(list(_PRELOAD))  # only read when the server starts (once per process)
     return ctx
 
 

@@ -272,9 +272,6 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-_POLL = _Timespec(int(_POLL_S), int((_POLL_S % 1) * 1e9))
-
-
 class ShmWork:
     """The handle of a collective issued to a :class:`ShmGroup` (``wait()`` like a c10d ``Work``)."""
 
@@ -457,6 +454,7 @@ class ShmGroup:
     def _wait_for(self, r: int, target: int, op: int, numel: int, dtype: torch.dtype) -> None:
         word = self._seq[r]
         start = time.monotonic()
+        poll = _Timespec(int(_POLL_S), int((_POLL_S % 1) * 1e9))  # a futex wait's timeout
         while True:
             value = word.value & 0xFFFFFFFF
             if (value - target) & 0xFFFFFFFF < 0x80000000:  # value >= target, modulo 2**32
@@ -464,7 +462,7 @@ class ShmGroup:
             if self._futex is not None:
                 observed = value if value < 0x80000000 else value - 0x100000000
                 rc = self._futex(
-                    _SYS_FUTEX, ctypes.addressof(word), _FUTEX_WAIT, observed, ctypes.byref(_POLL), None, 0
+                    _SYS_FUTEX, ctypes.addressof(word), _FUTEX_WAIT, observed, ctypes.byref(poll), None, 0
                 )
                 err = ctypes.get_errno() if rc != 0 else 0
                 if err not in (0, errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR):

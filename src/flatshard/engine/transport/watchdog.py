@@ -20,7 +20,11 @@ might still be working is never reported (no false alarm by construction).
   collectives (``barrier``, ``all_reduce``, ``broadcast``, ...) means it waits in that collective, called
   from the first frame outside ``distributed_c10d``; anything else (computing, writing a checkpoint,
   pickling inside ``broadcast_object_list``, DCP's planning) is *running*. Frames are told apart by their
-  module's ``__name__``, never by file paths.
+  module's ``__name__``, never by file paths. This is the one place the package reads a call stack, and
+  only for this report: it decides nothing the training computes, and it is the only way to see a wait
+  that flatshard did not issue (the user's own ``dist.barrier()``) without wrapping torch's functions. If
+  a torch release renames these functions, such a wait reads as *running*: no report, so the process
+  group's own timeout applies, never a false alarm; ``tests/distributed/test_desync.py`` pins it.
 * **Limits.** Each root's ``desync_timeout`` is the limit of the collectives on its process groups
   (:func:`configure`), kept in the group's state (see [Note: state per process group]), so it goes with the
   group; a collective on another group (a strategy's barrier, a torch.distributed call) has the smallest
@@ -77,6 +81,7 @@ import sys
 import threading
 import time
 from collections import deque
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch.distributed as dist
@@ -148,24 +153,26 @@ _COLLECTIVES = frozenset(
 
 # Operations that may pair with each other (a NCCL barrier is an all_reduce): a wait in one family and a wait
 # in another, on the same ranks, can never complete together.
-_FAMILY = {
-    "monitored_barrier": "all_reduce",
-    "barrier": "all_reduce",
-    "all_reduce_coalesced": "all_reduce",
-    "all_gather_into_tensor": "all_gather",
-    "all_gather_coalesced": "all_gather",
-    "all_gather_object": "all_gather",
-    "_all_gather_base": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "_reduce_scatter_base": "reduce_scatter",
-    "broadcast_object_list": "broadcast",
-    "gather_object": "gather",
-    "scatter_object_list": "scatter",
-    "all_to_all_single": "all_to_all",
-    "send": "p2p",
-    "recv": "p2p",
-    "batch_isend_irecv": "p2p",
-}
+_FAMILY = MappingProxyType(
+    {
+        "monitored_barrier": "all_reduce",
+        "barrier": "all_reduce",
+        "all_reduce_coalesced": "all_reduce",
+        "all_gather_into_tensor": "all_gather",
+        "all_gather_coalesced": "all_gather",
+        "all_gather_object": "all_gather",
+        "_all_gather_base": "all_gather",
+        "reduce_scatter_tensor": "reduce_scatter",
+        "_reduce_scatter_base": "reduce_scatter",
+        "broadcast_object_list": "broadcast",
+        "gather_object": "gather",
+        "scatter_object_list": "scatter",
+        "all_to_all_single": "all_to_all",
+        "send": "p2p",
+        "recv": "p2p",
+        "batch_isend_irecv": "p2p",
+    }
+)
 
 
 class DesyncError(RuntimeError):
