@@ -17,11 +17,14 @@ _RANK_VARIABLES = (
 )
 
 
-def run_script(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    """Run ``args`` with one thread per process and no inherited rank variables; fail with its output."""
+def run_script(
+    args: list[str], cwd: Path, timeout: float, fails: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """Run ``args`` with one thread per process and no inherited rank variables; fail with its output unless
+    it exits as expected (0, or non-zero where ``fails``)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     for key in _RANK_VARIABLES:
         env.pop(key, None)
     done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"{args}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    assert (done.returncode != 0) == fails, f"{args}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     return done

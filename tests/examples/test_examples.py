@@ -92,3 +92,27 @@ def test_the_default_example_shows_text_the_loss_and_what_each_rank_holds(tmp_pa
         for kind in ("param", "grad", "optim"):  # half, and a little padding
             assert 0.45 < float(held[kind]) / float(whole[kind]) < 0.6, (kind, line, whole)
     assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())  # nothing written where it ran
+
+
+def test_a_failed_resume_says_why_once_per_rank(tmp_path: Path) -> None:
+    """A damaged checkpoint given to the example's resume: each rank prints one traceback ending in the one
+    message that names the file and the fix, not a chain of causes repeating it."""
+    script = str(REPO / "examples/gpt/train.py")
+    tiny = ["--d-model", "32", "--n-layer", "1", "--batch-size", "4"]
+    _run(
+        [sys.executable, script, "--max-steps", "2", "--ckpt-out", str(tmp_path / "a.ckpt"), *tiny], tmp_path
+    )
+    data = (tmp_path / "a.ckpt").read_bytes()
+    (tmp_path / "a.ckpt").write_bytes(data[: len(data) // 2])
+    done = run_script(
+        [sys.executable, script, "--max-steps", "4", "--resume", str(tmp_path / "a.ckpt"), *tiny],
+        tmp_path,
+        timeout=400,
+        fails=True,
+    )
+    out = done.stdout + done.stderr
+    assert out.count("Traceback (most recent call last)") <= 2, out
+    assert "The above exception was the direct cause" not in out, out
+    assert "During handling of the above exception" not in out, out
+    messages = re.findall(r"CheckpointError: (.*)", out)
+    assert len(messages) == 2 and all("a.ckpt" in m and "HINT" in m for m in messages), out

@@ -13,6 +13,7 @@ layouts (row blocks, flatshard's boxes, column blocks) cost about ``n log n`` pe
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -35,6 +36,8 @@ __all__ = [
 
 _Chunk = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
+log = logging.getLogger(__name__)
+
 
 def check_required(path: object, extra: Mapping[str, Any], required: Collection[str]) -> None:
     """Raise before anything is applied if the checkpoint lacks an entry the caller needs (every rank reads
@@ -52,16 +55,27 @@ def agree_on_error(error: BaseException | None, what: str = "Loading") -> None:
     alone; ``what`` names the step in the error the other ranks raise."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         if error is not None:
-            raise error
+            raise _said_once(error)
         return
     messages: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
-        raise error
+        raise _said_once(error)
     failed = [(r, m) for r, m in enumerate(messages) if m is not None]
     if failed:
         rank, message = failed[0]
         raise CheckpointError(f"{what} failed on rank {rank}: {message}")
+
+
+def _said_once(error: BaseException) -> BaseException:
+    """The error without the chain of causes its message already quotes, so a failed load prints its message
+    once per rank rather than once per cause; the cause's traceback goes to this module's debug log."""
+    cause = error.__cause__
+    if cause is not None and str(cause) and str(cause) in str(error):
+        log.debug("the cause of %s", type(error).__name__, exc_info=cause)
+        error.__cause__ = None
+        error.__suppress_context__ = True
+    return error
 
 
 def check_optimizer_count(path: object, saved: int | None, optimizers: Sequence[Any]) -> None:
