@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
 import torch.nn as nn
 
 import flatshard
-from flatshard.engine.handle import HandleState
+from flatshard.engine.handle import HandleState, handle_of_param
 from flatshard.engine.runtime import unit_states
 from flatshard.testing.models import Block, TinyGPT, make_batch
 
@@ -248,3 +249,17 @@ def test_evaluation_forwards_leave_the_recorded_order_and_prefetch_alone() -> No
         model.loss(*make_batch(3, 2)).backward()
     assert order.recorded and order.valid
     assert all(h.state is HandleState.SHARDED for s in unit_states(model) for h in s.handles)
+
+
+def test_a_saved_live_parameter_is_its_piece_and_no_units() -> None:
+    """torch.save of a managed parameter writes its piece like any tensor's; loaded (also with weights_only)
+    it is a plain parameter no unit manages, while the live one stays managed."""
+    _, model = _pair(auto_wrap_policy={Block})
+    param = model.wte.weight
+    buffer = io.BytesIO()
+    torch.save(param, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert torch.equal(loaded, param.detach()) and loaded.shape == param.shape
+    assert handle_of_param(loaded) is None and handle_of_param(param) is not None
+    assert handle_of_param(copy.deepcopy(param)) is None

@@ -47,20 +47,34 @@ from flatshard.engine.unfilled import fill_marker
 
 __all__ = ["FlatParamHandle", "HandleState", "handle_of_param", "locate_params"]
 
-# A managed Parameter's link to its handle: (a weak reference to the handle, the parameter's index there), in the
-# parameter's own __dict__, so it goes with the parameter; a copy of the parameter (deepcopy makes none, copy and
-# swap_tensors carry it over) is not at that index and is no unit's.
+# A managed Parameter's link to its handle, in the parameter's own __dict__, so it goes with the parameter; a
+# copy of the parameter (deepcopy makes none, copy and swap_tensors carry it over) is not at that index and is
+# no unit's.
 _HANDLE_ATTR = "_flatshard_handle"
+
+
+class _HandleLink:
+    """A weak reference to a parameter's handle and the parameter's index there. Pickled (``torch.save`` of a
+    live parameter or module) it becomes an empty ``set``: the saved parameter is its piece, no unit's, and
+    loads with ``weights_only=True``."""
+
+    __slots__ = ("index", "ref")
+
+    def __init__(self, handle: FlatParamHandle, index: int) -> None:
+        self.ref = weakref.ref(handle)
+        self.index = index
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return set, ()
 
 
 def handle_of_param(param: torch.Tensor) -> FlatParamHandle | None:
     """The handle managing ``param``, or ``None`` for a parameter flatshard does not manage."""
     link = param.__dict__.get(_HANDLE_ATTR)
-    if link is None:
+    if not isinstance(link, _HandleLink):
         return None
-    ref, index = link
-    handle: FlatParamHandle | None = ref()
-    if handle is None or index >= len(handle.params) or handle.params[index] is not param:
+    handle: FlatParamHandle | None = link.ref()
+    if handle is None or link.index >= len(handle.params) or handle.params[link.index] is not param:
         return None
     return handle
 
@@ -241,14 +255,13 @@ class FlatParamHandle(UnitGradients):
         # (unit path, phase, step) of the next collectives, set by the runtime: see [Note: finding a desync]
         self.where: tuple[str, str, int] | None = None
         self._init_gradients()
-        me = weakref.ref(self)
         for i, p in enumerate(self.params):
-            p.__dict__[_HANDLE_ATTR] = (me, i)
+            p.__dict__[_HANDLE_ATTR] = _HandleLink(self, i)
         self.use_sharded_views()
 
     def _replace_param(self, i: int, param: nn.Parameter) -> None:
         self.params[i] = param
-        param.__dict__[_HANDLE_ATTR] = (weakref.ref(self), i)
+        param.__dict__[_HANDLE_ATTR] = _HandleLink(self, i)
         for module, name in self.aliases[i]:
             module._parameters[name] = param
 
