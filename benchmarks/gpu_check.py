@@ -54,6 +54,10 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script: the suite's package is beside it
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.report import git_commit  # noqa: E402
 
 PARTS = ("parity", "sanitizer", "pytest_gpu", "step_time", "step_time_gloo")
 # The longest each part may take (seconds), and the least time worth starting it with.
@@ -76,23 +80,6 @@ def utc_now() -> str:
 
 def write_json(path: Path, report: Any, default: Any = None) -> None:
     path.write_text(json.dumps(report, indent=2, default=default) + "\n")
-
-
-def git_commit() -> str | None:
-    """The short commit of this tree, and the files under ``src/`` with uncommitted changes."""
-    git = ["git", "-C", str(REPO)]
-    try:
-        rev = subprocess.run(
-            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
-        )
-        dirty = subprocess.run(
-            [*git, "status", "--porcelain", "--", "src"], capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    changed = [line[3:] for line in dirty.stdout.splitlines() if line.strip()]
-    commit = rev.stdout.strip() or None
-    return f"{commit} + uncommitted changes in {', '.join(changed)}" if changed else commit
 
 
 def tested_torch_floor() -> str | None:
