@@ -73,7 +73,7 @@ __all__ = [
 ]
 
 HOST = "host"
-STREAMS = ("compute", "unshard", "pre_unshard", "post_backward")
+STREAMS = ("compute", "unshard", "pre_unshard", "post_backward", "offload", "reload")
 
 Clock = dict[str, int]
 
@@ -464,6 +464,8 @@ class FakeCommContext(CommContext):
         self.unshard = recorder.stream("unshard")
         self.pre_unshard = recorder.stream("pre_unshard")
         self.post_backward = recorder.stream("post_backward")
+        self.offload = recorder.stream("offload")
+        self.reload = recorder.stream("reload")
 
     def refresh_compute(self) -> None:
         pass

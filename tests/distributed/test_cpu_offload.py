@@ -66,7 +66,9 @@ def test_cpu_offload_parity() -> None:
 
 
 def test_cpu_offload_argument_validation() -> None:
-    with pytest.raises(TypeError, match="cpu_offload must be a bool"):
-        flatshard.shard(TinyGPT(), cpu_offload="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cpu_offload='yes' is not an offload mode"):
+        flatshard.shard(TinyGPT(), cpu_offload="yes")
+    with pytest.raises(TypeError, match="cpu_offload must be a bool, 'optimizer'"):
+        flatshard.shard(TinyGPT(), cpu_offload=1)  # type: ignore[arg-type]
     model = flatshard.shard(TinyGPT(), cpu_offload=True)
     assert unit_states(model)[0].handles[0].offload

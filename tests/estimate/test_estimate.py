@@ -1,4 +1,5 @@
-"""The estimator without processes: layout arithmetic, option handling, errors, the command line."""
+"""The estimator without processes: layout arithmetic, option handling, errors, the command line. On ``cpu`` these
+pass ``overhead=0`` (tensor memory only), so no runtime is measured (that is ``test_runtime.py``'s)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ WRAP = {Block}
 
 
 def _row(factory=gpt, world=2, **kw):
-    return estimate(factory, world, device="cpu", auto_wrap_policy=WRAP, **kw).rows[0]
+    return estimate(factory, world, device="cpu", overhead=0, auto_wrap_policy=WRAP, **kw).rows[0]
 
 
 @pytest.mark.parametrize(
@@ -52,7 +53,7 @@ def test_shards_shrink_with_ranks() -> None:
     model = gpt_without_batch()  # on CPU: count its parameters
     numel = sum(p.numel() for p in model.parameters())
     units = 5
-    rows = estimate(gpt_without_batch, "1,2,4,8", device="cpu", auto_wrap_policy=WRAP).rows
+    rows = estimate(gpt_without_batch, "1,2,4,8", device="cpu", overhead=0, auto_wrap_policy=WRAP).rows
     for r in rows:
         n = r.world_size
         assert numel * 4 / n <= r.params <= (numel + units * n) * 4 / n  # padding: < n elements per unit
@@ -101,16 +102,22 @@ def test_cuda_adds_allocator_lag_and_overhead() -> None:
 
 
 def test_activation_checkpointing_and_precision_shrink_activations() -> None:
-    full = estimate(tiny_llama, 2, device="cpu", auto_wrap_policy={LlamaBlock}).rows[0]
+    full = estimate(tiny_llama, 2, device="cpu", overhead=0, auto_wrap_policy={LlamaBlock}).rows[0]
     ckpt = estimate(
         tiny_llama,
         2,
         device="cpu",
+        overhead=0,
         auto_wrap_policy={LlamaBlock},
         activation_checkpointing_policy={LlamaBlock},
     ).rows[0]
     bf16 = estimate(
-        tiny_llama, 2, device="cpu", auto_wrap_policy={LlamaBlock}, mixed_precision={"param_dtype": "bf16"}
+        tiny_llama,
+        2,
+        device="cpu",
+        overhead=0,
+        auto_wrap_policy={LlamaBlock},
+        mixed_precision={"param_dtype": "bf16"},
     ).rows[0]
     assert full.activations and ckpt.activations and bf16.activations
     assert ckpt.activations < full.activations / 2
@@ -279,6 +286,8 @@ def test_command_json_and_hybrid(capsys: pytest.CaptureFixture[str]) -> None:
             "tests.estimate.models.Block",
             "--device",
             "cpu",
+            "--overhead",
+            "0",
             "--json",
         ]
     )
@@ -370,7 +379,7 @@ def test_an_estimate_leaves_no_desync_settings_behind(tmp_path: Path) -> None:
     from flatshard.engine.transport import watchdog
     from flatshard.engine.transport.groups import state_of
 
-    estimate(gpt, [2], device="cpu")
+    estimate(gpt, [2], device="cpu", overhead=0)
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         state = state_of(None)

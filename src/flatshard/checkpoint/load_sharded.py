@@ -30,6 +30,7 @@ from flatshard.engine import (
     param_shard,
     parameter_names,
     prepare_for_state_io,
+    state_device,
     to_local_model_state,
     to_local_optim_state,
 )
@@ -188,7 +189,8 @@ def _optim_targets(
                         "belongs to another model. Nothing was loaded."
                     )
                 if elementwise:
-                    targets[fqn] = _target(reader, fqn, shard, full_shape, md.properties.dtype, p.device)
+                    device = state_device(p)  # host memory under cpu_offload="optimizer"
+                    targets[fqn] = _target(reader, fqn, shard, full_shape, md.properties.dtype, device)
                     kinds.append((fqn, md.properties.dtype, p.dtype))
                 else:
                     targets[fqn] = torch.empty(md.size, dtype=md.properties.dtype, device="cpu")

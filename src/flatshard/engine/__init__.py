@@ -6,18 +6,20 @@ submodule. Layout (see ``docs/concepts.md`` for a map by question):
 
 - the core: ``config`` (options), ``shard`` (the entry point), ``flat_param`` (index math), ``handle`` (one
   unit's flat parameter: the gather path), ``gradients`` (the gradient path), ``precision``, ``runtime``
-  (the hooks), ``exec_order`` (prefetch order), ``unit_layout`` (a sharded module's layout as records, for
+  (the hooks), ``exec_order`` (prefetch order), ``activation_offload`` (saved activations in host memory between a
+  unit's forward and its backward), ``unit_layout`` (a sharded module's layout as records, for
   planning tools);
 - ``setup/``: what ``shard()`` does once: unit planning, materializing, process groups, activation
   checkpointing;
 - ``calls/``: calling a sharded model beyond forward: other methods (``generate``), ``torch.compile``,
   uneven loops (join);
-- ``step/``: at the optimizer step: gradient clipping, EMA;
+- ``step/``: at the optimizer step: gradient clipping, EMA, whole-tensor optimizers, the offloaded step;
 - ``state/``: full and sharded model / optimizer state, the streamed gather, ``unshard_params``;
 - ``transport/``: collectives, the shared-memory transport, memory blocks, streams, the limiter, the
   desync watchdog.
 """
 
+from flatshard.engine.activation_offload import OffloadStats
 from flatshard.engine.calls.compile import compile_kwargs, compile_units
 from flatshard.engine.calls.forward_methods import (
     is_forward_method,
@@ -81,6 +83,7 @@ from flatshard.engine.state.unshard_params import unshard_params
 from flatshard.engine.state.whole_state import after_load as finish_optimizer_load
 from flatshard.engine.step.clip import clip_grad_norm_, clip_grad_norm_params_
 from flatshard.engine.step.ema import EMA, check_decay
+from flatshard.engine.step.optimizer_offload import state_device
 from flatshard.engine.step.whole_tensor import (
     explaining_step_errors,
     is_whole_tensor_optimizer,
@@ -92,7 +95,13 @@ from flatshard.engine.transport.groups import world_state
 from flatshard.engine.transport.processes import ProcessId
 from flatshard.engine.transport.watchdog import DesyncError, wait_collective
 from flatshard.engine.unfilled import UnfilledError
-from flatshard.engine.unit_layout import UnitLayout, gathered_buffers, unit_layouts, whole_tensor_owners
+from flatshard.engine.unit_layout import (
+    UnitLayout,
+    activation_offload_stats,
+    gathered_buffers,
+    unit_layouts,
+    whole_tensor_owners,
+)
 
 __all__ = [
     "EMA",
@@ -107,6 +116,7 @@ __all__ = [
     "JoinState",
     "Materialized",
     "MixedPrecision",
+    "OffloadStats",
     "OptionErrors",
     "ParamShard",
     "Policy",
@@ -115,6 +125,7 @@ __all__ = [
     "ShardingStrategy",
     "UnfilledError",
     "UnitLayout",
+    "activation_offload_stats",
     "adapters_of",
     "begin_backward_in_forward",
     "begin_join",
@@ -164,6 +175,7 @@ __all__ = [
     "sharded_model_state_dict",
     "sharded_optim_state_dict",
     "stand_in",
+    "state_device",
     "timeline",
     "to_local_model_state",
     "to_local_optim_state",

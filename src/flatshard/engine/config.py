@@ -22,10 +22,16 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from flatshard.engine.setup.activation_checkpointing import CheckFn, resolve_checkpointing_policy
+from flatshard.engine.setup.activation_checkpointing import (
+    CheckFn,
+    CheckpointMode,
+    resolve_checkpointing_mode,
+    resolve_checkpointing_policy,
+)
 from flatshard.engine.setup.wrap import Policy, resolve_policy
 
 __all__ = [
+    "OFFLOAD_OPTIMIZER",
     "BackwardPrefetch",
     "CPUOffload",
     "MixedPrecision",
@@ -165,13 +171,30 @@ class MixedPrecision:
 
 @dataclass(frozen=True)
 class CPUOffload:
-    """Keep sharded parameters and gradients on CPU; the optimizer steps there.
+    """What lives in host (CPU) memory instead of on the compute device.
 
     Args:
-        offload_params: whether to offload. Default: ``False``.
+        offload_params: shards, gradient shards and optimizer state on the host; the optimizer steps there and
+            each unit is copied to the device for its gather (torch FSDP's ``offload_params``). Default:
+            ``False``.
+        offload_optimizer: only the optimizer state (and its step) on the host; shards and gradient shards stay
+            on the device (DeepSpeed's ``offload_optimizer``, ZeRO-Offload). With ``offload_params=True`` it
+            changes nothing: that already keeps the optimizer state on the host. Default: ``False``.
     """
 
     offload_params: bool = False
+    offload_optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        bad = [
+            f"{name}={getattr(self, name)!r}"
+            for name in ("offload_params", "offload_optimizer")
+            if not isinstance(getattr(self, name), bool)
+        ]
+        if bad:
+            raise TypeError(
+                f"CPUOffload flags must be bools, got {', '.join(bad)}. HINT: pass True or False."
+            )
 
 
 _DTYPE_NAMES = MappingProxyType(
@@ -252,17 +275,30 @@ def normalize_mixed_precision(value: object) -> MixedPrecision | None:
     return MixedPrecision(**raw)
 
 
-def normalize_cpu_offload(value: object) -> bool:
-    """``None`` / ``bool`` / :class:`CPUOffload` (or torch FSDP's, same field) -> whether to offload."""
+OFFLOAD_OPTIMIZER = "optimizer"  # the normalised ``cpu_offload`` that keeps only the optimizer on the host
+
+
+def normalize_cpu_offload(value: object) -> bool | str:
+    """``None`` / ``bool`` / ``"optimizer"`` / :class:`CPUOffload` (or torch FSDP's, same field) -> ``False`` (no
+    offload), ``True`` (shards, gradients and optimizer on the host) or ``"optimizer"`` (optimizer state only)."""
     if value is None:
         return False
     if isinstance(value, bool):
         return value
-    offload = getattr(value, "offload_params", None)
-    if isinstance(offload, bool):
-        return offload
+    if isinstance(value, str):
+        if value.strip().lower() == OFFLOAD_OPTIMIZER:
+            return OFFLOAD_OPTIMIZER
+        raise ValueError(
+            f"cpu_offload={value!r} is not an offload mode. HINT: pass True (shards, gradients and optimizer state "
+            "in host memory), 'optimizer' (only the optimizer state and its step) or False."
+        )
+    params = getattr(value, "offload_params", None)
+    optimizer = getattr(value, "offload_optimizer", False)  # torch FSDP's CPUOffload has no such field
+    if isinstance(params, bool) and isinstance(optimizer, bool):
+        return True if params else OFFLOAD_OPTIMIZER if optimizer else False
     raise TypeError(
-        f"cpu_offload must be a bool or flatshard.CPUOffload(offload_params=...), got {type(value).__name__}: {value!r}."
+        f"cpu_offload must be a bool, 'optimizer' or flatshard.CPUOffload(offload_params=..., offload_optimizer=...), "
+        f"got {type(value).__name__}: {value!r}."
     )
 
 
@@ -353,6 +389,17 @@ def _check_whole_tensor_optimizers(value: object) -> tuple[type, ...]:
     return tuple(out)
 
 
+def _check_checkpointing_mode(value: object, policy: object) -> CheckpointMode:
+    mode = resolve_checkpointing_mode(value)
+    if mode != "full" and policy is None:
+        raise ValueError(
+            f"activation_checkpointing_mode={value!r} says what checkpointed modules keep, and no module is "
+            "checkpointed: activation_checkpointing_policy is None. HINT: set activation_checkpointing_policy as "
+            "well, e.g. activation_checkpointing_policy={TransformerBlock} (the classes of your layers)."
+        )
+    return mode
+
+
 def _check_param_init_fn(value: object) -> Callable[[nn.Module], None] | None:
     if value is not None and not callable(value):
         raise TypeError(f"param_init_fn must be a callable taking a module, got {type(value).__name__}.")
@@ -415,6 +462,13 @@ class ShardOptions:
             an int (modules with at least that many parameters), a callable ``module -> bool`` or a policy
             callable in torch FSDP's style. The outermost matching modules are checkpointed (non-reentrant);
             parameter names and checkpoints do not change. Default: ``None``.
+        activation_checkpointing_mode: what a module ``activation_checkpointing_policy`` selects keeps for
+            backward (see [Note: selective checkpointing]): ``"full"`` (default): its inputs only, its whole
+            forward is recomputed. ``"selective"``: also the outputs of matrix products, attention kernels and
+            functional collectives; only the cheap operators between them (norms, activations, dropout, with
+            the same random numbers) are recomputed: more memory than ``"full"``, less recomputation. Or a list
+            of the operators to keep, named as in ``torch.ops`` (``["aten.mm", "aten.addmm"]``). Needs
+            ``activation_checkpointing_policy``.
         mixed_precision: a :class:`MixedPrecision` (or a mapping of its fields, dtypes as strings like
             ``"bf16"``): gather and compute in ``param_dtype``, reduce gradients in ``reduce_dtype``, keep
             fp32 shards for the optimizer and checkpoints (see [Note: mixed precision]). Batch-norm
@@ -423,7 +477,20 @@ class ShardOptions:
             explicit value's fields replace those dtypes, the fields it leaves unset keeping them).
         cpu_offload: ``True`` or ``CPUOffload(offload_params=True)``: shards and gradient shards in CPU
             memory (pinned with CUDA compute), so the optimizer steps on CPU; each unit is copied to the
-            compute device for its gather (see [Note: CPU offload]). Normalised to a bool. Default: ``False``.
+            compute device for its gather (see [Note: CPU offload]). ``"optimizer"`` or
+            ``CPUOffload(offload_optimizer=True)``: only the optimizer state and its step live in CPU memory;
+            shards and gradients stay on the device, each step copies the gradient shards to the host (started
+            in backward) and the updated shards back (see [Note: optimizer offload]). The step runs the
+            optimizer's CPU implementation: ``torch.optim.AdamW(fused=True)`` is the fast path. On a CPU device
+            it saves nothing. Normalised to ``False``, ``True`` or ``"optimizer"``. Default: ``False``.
+        activation_offload: keep the activations each unit saves for backward in host memory from the end of
+            its forward until its backward: copied to pinned memory on a side stream as the unit's forward
+            returns, and back one unit ahead in backward, so the device holds about two units' activations
+            instead of all of them (see [Note: activation offload]). Saved tensors under 256 KiB, parameters
+            and what the root saves after its last unit stay on the device, so it needs units below the root
+            (``auto_wrap_policy``). With ``activation_checkpointing_policy`` the checkpointed modules' inputs
+            move. On a CPU device it changes nothing (activations are in host memory already). Default:
+            ``False``.
         limit_all_gathers: rate-limit all-gathers so at most two unsharded buffers are pending
             (see ``flatshard.engine.transport.limiter``; CUDA only, CPU work is synchronous). Default: ``True``.
         backward_prefetch: when to issue the next unit's all-gather in backward: ``"BACKWARD_PRE"``
@@ -468,8 +535,10 @@ class ShardOptions:
     sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
     auto_wrap_policy: Policy | None = None
     activation_checkpointing_policy: CheckFn | None = None
+    activation_checkpointing_mode: CheckpointMode = "full"
     mixed_precision: MixedPrecision | None = None
-    cpu_offload: bool = False
+    cpu_offload: bool | str = False
+    activation_offload: bool = False
     limit_all_gathers: bool = True
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
     forward_prefetch: bool = False
@@ -490,8 +559,14 @@ class ShardOptions:
             "activation_checkpointing_policy": errors.check(
                 resolve_checkpointing_policy, self.activation_checkpointing_policy
             ),
+            "activation_checkpointing_mode": errors.check(
+                _check_checkpointing_mode,
+                self.activation_checkpointing_mode,
+                self.activation_checkpointing_policy,
+            ),
             "mixed_precision": errors.check(normalize_mixed_precision, self.mixed_precision),
             "cpu_offload": errors.check(normalize_cpu_offload, self.cpu_offload),
+            "activation_offload": errors.check(_check_bool, "activation_offload", self.activation_offload),
             "limit_all_gathers": errors.check(_check_bool, "limit_all_gathers", self.limit_all_gathers),
             "backward_prefetch": errors.check(normalize_backward_prefetch, self.backward_prefetch),
             "forward_prefetch": errors.check(_check_bool, "forward_prefetch", self.forward_prefetch),
@@ -514,3 +589,13 @@ class ShardOptions:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+    @property
+    def offload_params(self) -> bool:
+        """Shards, gradient shards and optimizer state in host memory (``cpu_offload=True``)."""
+        return self.cpu_offload is True
+
+    @property
+    def offload_optimizer(self) -> bool:
+        """Only the optimizer state in host memory (``cpu_offload="optimizer"``)."""
+        return self.cpu_offload == OFFLOAD_OPTIMIZER

@@ -41,12 +41,13 @@ import torch.nn as nn
 
 from flatshard.engine.flat_param import FlatLayout, ShardInfo
 from flatshard.engine.precision import UnitPrecision, reduce_divisors
+from flatshard.engine.step.host_shard import HostShard
 from flatshard.engine.transport.comm import InFlight, Pending
 from flatshard.engine.transport.interface import Transport
 from flatshard.engine.transport.pieces import FlatPieces
 from flatshard.engine.transport.streams import CommContext
 
-__all__ = ["UnitGradients"]
+__all__ = ["UnitGradients", "set_grad"]
 
 
 def _reduce_scatter_into(
@@ -79,13 +80,13 @@ def _weak_flat(t: torch.Tensor) -> Callable[[], torch.Tensor | None]:
     return get
 
 
-def _set_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
+def set_grad(param: nn.Parameter, grad: torch.Tensor | None) -> None:
     """``param.grad = grad``, also for a gradient kept in a lower precision than the parameter.
 
     Autograd refuses a ``.grad`` of another dtype; a placeholder of the parameter's dtype (no memory:
     all strides zero) is assigned instead and its data swapped for the low-precision gradient.
     """
-    if grad.dtype == param.dtype:
+    if grad is None or grad.dtype == param.dtype:
         param.grad = grad
         return
     placeholder = torch.empty(1, dtype=param.dtype, device=grad.device).expand(grad.shape)
@@ -105,6 +106,7 @@ class UnitGradients:
     _reduce_chunk: int
     _trainable_is_prefix: bool
     _trainable_end: int
+    dtype: torch.dtype
     layout: FlatLayout
     shard_infos: tuple[ShardInfo, ...]
     shard_world: int
@@ -112,6 +114,7 @@ class UnitGradients:
     device: torch.device
     precision: UnitPrecision
     offload: bool
+    host: HostShard | None  # cpu_offload="optimizer": the unit's host copies (see [Note: optimizer offload])
     transport: Transport
     grad_anchor: torch.Tensor
     _sharded: torch.Tensor
@@ -333,7 +336,15 @@ class UnitGradients:
             grad = grad.to(self.precision.grad)
         if post != 1.0:
             grad.div_(post)
+        if self.host is not None:  # a copy to the host may still read the gradient shard
+            self.host.before_grad_write(streams)
         self._accumulate(grad)
+        if self.host is not None and self.precision.grad == self.dtype:
+            # Start the copy to the host for the offloaded step now, overlapping the rest of backward (see [Note:
+            # host copies and the streams]). A gradient kept in a lower precision is assigned through ``.data``,
+            # where writes move no version counter, so it is copied at the step instead.
+            assert self._sharded_grad is not None
+            self.host.copy_grad(self._sharded_grad, streams)
 
     def _cast_scratch(self, reduce_dtype: torch.dtype) -> torch.Tensor | None:
         """A device buffer for casting a reduced shard to the gradient dtype before it is averaged (the
@@ -421,6 +432,15 @@ class UnitGradients:
                 mine.copy_(p.grad)  # the user replaced the gradient tensor: keep its values
         current.add_(grad)
 
+    def sharded_grad(self) -> torch.Tensor | None:
+        """The gradient shard (1-D, ``grad_numel`` elements), alive while some parameter's ``.grad`` views it."""
+        return self._sharded_grad if self._sharded_grad is not None else self._sharded_grad_ref()
+
+    @property
+    def grad_numel(self) -> int:
+        """Elements of this rank's gradient shard: its start up to the end of the last trainable parameter."""
+        return self._grad_numel
+
     @property
     def grad_this_backward(self) -> bool:
         """Whether a reduced gradient was accumulated in the current backward pass."""
@@ -446,7 +466,7 @@ class UnitGradients:
                 continue
             view = self._shard_piece(self._sharded_grad, i)
             if p.grad is None or p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
-                _set_grad(p, view)
+                set_grad(p, view)
         self.reset_backward()
 
     def reset_backward(self) -> None:

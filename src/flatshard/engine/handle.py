@@ -38,6 +38,7 @@ from flatshard.engine.flat_param import FlatLayout, ShardInfo, flatten_tensors, 
 from flatshard.engine.gradients import UnitGradients
 from flatshard.engine.precision import UnitPrecision
 from flatshard.engine.setup.wrap import Alias
+from flatshard.engine.step.host_shard import HostShard
 from flatshard.engine.transport.comm import InFlight, Pending, as_wire
 from flatshard.engine.transport.interface import Transport
 from flatshard.engine.transport.limiter import AllGatherLimiter
@@ -137,6 +138,8 @@ class FlatParamHandle(UnitGradients):
             default: one of its own for these groups and device.
         precision: the unit's dtypes (see [Note: mixed precision]); default: the parameters' own dtype.
         offload: keep the shard and the gradient shard in CPU memory (see [Note: CPU offload]).
+        offload_optimizer: the optimizer steps on host copies of the shard and the gradient shard, kept in
+            :attr:`host` (see [Note: optimizer offload]); the shards stay on ``device``. Not with ``offload``.
         unfilled: ``id()`` of parameters nothing gave values (see [Note: unfilled tensors]); a parameter on
             the meta device is one too, and keeps no full storage: the shard is built from pieces.
 
@@ -169,9 +172,15 @@ class FlatParamHandle(UnitGradients):
         offload: bool = False,
         unfilled: Collection[int] = (),
         transport: Transport | None = None,
+        offload_optimizer: bool = False,
     ) -> None:
         if not params:
             raise ValueError("FlatParamHandle needs at least one parameter.")
+        if offload and offload_optimizer:
+            raise ValueError(
+                "offload (shards in CPU memory) already steps the optimizer there. HINT: pass one of offload, "
+                "offload_optimizer."
+            )
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             listing = ", ".join(f"{n}: {p.dtype}" for n, p in zip(names, params, strict=False))
@@ -221,6 +230,8 @@ class FlatParamHandle(UnitGradients):
         )
         self.offload = offload
         self.shard_device = torch.device("cpu") if offload else device
+        # host copies for an optimizer stepping in CPU memory, allocated at its first use
+        self.host: HostShard | None = HostShard(device) if offload_optimizer else None
         if not dry_run and any(p.is_meta for p in params):
             if sync_group is not None:
                 raise ValueError(
@@ -356,6 +367,11 @@ class FlatParamHandle(UnitGradients):
         info = self.shard_infos[i]
         piece = source[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
         return piece.view(self.layout.shapes[i]) if self.shard_world == 1 else piece
+
+    def piece_of(self, source: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s piece of ``source``, a 1-D tensor laid out like the local shard (at least up to the
+        piece's end): shaped as :meth:`piece` is."""
+        return self._shard_piece(source, i)
 
     def piece(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s piece of the local shard: its data between steps, and also inside unshard_params."""

@@ -83,6 +83,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
+from flatshard.engine.activation_offload import ActivationOffload
 from flatshard.engine.config import BackwardPrefetch, ShardOptions
 from flatshard.engine.exec_order import ExecOrder
 from flatshard.engine.handle import FlatParamHandle, HandleState
@@ -161,6 +162,7 @@ class RootContext:
         self.callback_queued = False
         self.step = 0  # training forwards of this root so far: names collectives in a desync report
         self.filled = False  # every unit's tensors have values: see [Note: unfilled tensors]
+        self.activations = ActivationOffload(self)  # see [Note: activation offload]
 
     def unshard(self, state: UnitState | None) -> None:
         """Issue ``state``'s all-gather if it is sharded (used for its own gather and for prefetch)."""
@@ -212,6 +214,9 @@ class RootContext:
             if leftover is not None:
                 handle.where = (handle.where[0] if handle.where else "?", "end of backward", self.step)
                 handle.finish_grad(handle.reduce_grad(leftover, self.streams), self.streams)
+        for handle in self.handles:  # writes into gradient shards come after their copies to the host
+            if handle.host is not None:  # see [Note: host copies and the streams]
+                handle.host.before_grad_write(self.streams)
         offloaded = [h for h in self.handles if h.has_host_grads]
         if offloaded:  # one wait for every copy to host memory: see [Note: CPU offload]
             self.streams.sync_host(self.streams.post_backward)
@@ -221,6 +226,7 @@ class RootContext:
         for handle, used in zip(reduced, _used_anywhere(reduced)):
             handle.assign_grads(used)
         self.callback_queued = False
+        self.activations.end_backward()
         for state in self.states:
             state.reset_backward_watch()
             if state.forward_depth > 0:  # see [Note: backward inside a forward]
@@ -509,6 +515,7 @@ class UnitState:
                     s.reset_backward_watch()
         if tracked:
             ctx.order.note_pre_forward(self)
+        ctx.activations.enter(self, tracked)
         if not in_backward:
             self.training_state = TrainingState.FORWARD
         if self.handles:
@@ -559,6 +566,7 @@ class UnitState:
             return
         if any(h.any_requires_grad and i not in self._grads_done for i, h in enumerate(self.handles)):
             return
+        self.ctx.activations.unit_done(self)
         self.reshard()
 
     def reset_backward_watch(self) -> None:
@@ -590,6 +598,7 @@ class UnitState:
         call = ctx.root.call
         if self._tracked:
             ctx.order.note_post_forward(self)
+        ctx.activations.leave(self)
         self.training_state = TrainingState.IDLE
         grad_outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if torch.is_grad_enabled() and grad_outputs:
@@ -679,6 +688,7 @@ class UnitState:
             Variable._execution_engine.queue_callback(ctx.end_of_backward)
         first_time = self.training_state is not TrainingState.BACKWARD
         self.training_state = TrainingState.BACKWARD
+        ctx.activations.before_backward(self, first_time)
         ctx.unshard(self)
         if first_time and self.options.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             ctx.prefetch_backward(ctx.order.next_backward(self))  # overlaps this unit's backward compute

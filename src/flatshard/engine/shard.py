@@ -23,7 +23,11 @@ from flatshard.engine.precision import (
     keep_full_precision,
 )
 from flatshard.engine.runtime import ROOT_ATTR, STATE_ATTR, UnitState, get_unit_state, unit_states
-from flatshard.engine.setup.activation_checkpointing import CheckFn, apply_activation_checkpointing
+from flatshard.engine.setup.activation_checkpointing import (
+    CheckFn,
+    CheckpointMode,
+    apply_activation_checkpointing,
+)
 from flatshard.engine.setup.materialize import (
     Initializers,
     Materialized,
@@ -166,7 +170,8 @@ def shard(
                 replicate_group,
                 target,
                 sync_group=sync_group,
-                offload=opts.cpu_offload,
+                offload=opts.offload_params,
+                offload_optimizer=opts.offload_optimizer and not dry_run,  # a dry run allocates nothing
                 precision=UnitPrecision.resolve(None if plan.module in full_precision_set else mp, dtype),
                 unfilled=made.params,
                 transport=transport,
@@ -191,7 +196,9 @@ def shard(
         _record_unfilled(module, all_handles, made.buffers, sync_group)
     cast_buffers(module, mp.buffer_dtype if mp is not None else None, ignored | set(full_precision))
     if opts.activation_checkpointing_policy is not None:
-        _checkpoint_inside_units(module, opts.activation_checkpointing_policy, ignored)
+        _checkpoint_inside_units(
+            module, opts.activation_checkpointing_policy, ignored, opts.activation_checkpointing_mode
+        )
     seal_enclosing_forwards(module)  # see [Note: torch.compile]
     top = get_unit_state(module)
     for m in module.modules():  # what register_forward_method looks up: see enclosing_units
@@ -271,13 +278,15 @@ def _check_same_hybrid_groups(
             )
 
 
-def _checkpoint_inside_units(root: nn.Module, check: CheckFn, ignored: set[nn.Module]) -> None:
+def _checkpoint_inside_units(
+    root: nn.Module, check: CheckFn, ignored: set[nn.Module], mode: CheckpointMode
+) -> None:
     """Apply activation checkpointing and flag, for each checkpointed module, the unit owning it."""
     parents: dict[nn.Module, nn.Module] = {}
     for parent in root.modules():
         for child in parent.children():
             parents.setdefault(child, parent)
-    for target in apply_activation_checkpointing(root, check, ignored):
+    for target in apply_activation_checkpointing(root, check, ignored, mode):
         node: nn.Module | None = target
         while node is not None:
             state = get_unit_state(node)

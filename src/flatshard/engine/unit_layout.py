@@ -14,10 +14,17 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+from flatshard.engine.activation_offload import OffloadStats
 from flatshard.engine.runtime import unit_states
 from flatshard.engine.step.whole_plan import cost as _cost
 
-__all__ = ["UnitLayout", "gathered_buffers", "unit_layouts", "whole_tensor_owners"]
+__all__ = [
+    "UnitLayout",
+    "activation_offload_stats",
+    "gathered_buffers",
+    "unit_layouts",
+    "whole_tensor_owners",
+]
 
 
 class UnitLayout(NamedTuple):
@@ -117,3 +124,11 @@ def whole_tensor_owners(shapes: Sequence[torch.Size], world: int) -> list[int]:
         owners[i] = owner
         load[owner] += _cost(torch.Size(shapes[i]))
     return owners
+
+
+def activation_offload_stats(module: nn.Module) -> OffloadStats | None:
+    """What the activation offload of the root over ``module`` did (see [Note: activation offload]); ``None``
+    before its first forward. Its counters run whether ``activation_offload`` is on or not (off: all zero)."""
+    states = unit_states(module)
+    ctx = states[0].ctx if states else None
+    return None if ctx is None else ctx.activations.stats

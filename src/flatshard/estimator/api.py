@@ -20,7 +20,9 @@ mixed-precision dtypes, activation checkpointing and hybrid groups are then the 
   activations (bytes the end of forward holds beyond its start, gathered parameters excepted). The
   communication bytes are the engine's own ``comm_stats`` of that step, so they are what a real rank counts.
   On the meta device every collective and every free completes in program order, as on CPU ranks; that is the
-  ``device="cpu"`` estimate, and the one the measured checks compare with real gloo runs.
+  ``device="cpu"`` estimate, and the one the measured checks compare with real gloo runs. Its peak adds the
+  rank's runtime, measured in fresh processes (see [Note: a rank's runtime]), so it is the peak RSS the operating
+  system reports; ``overhead`` given replaces the measurement.
 - ``device="cuda"`` adds what a GPU holds beyond program order: the all-gather limiter lets the CPU free
   buffers the GPU still reads, at most two all-gathers ahead (see [Note: rate limiter]), so under FULL_SHARD
   the two largest non-root units' buffers are added ("allocator lag"; without ``limit_all_gathers``, every
@@ -33,7 +35,8 @@ mixed-precision dtypes, activation checkpointing and hybrid groups are then the 
   assuming each unit's forward runs once.
 - CPU offload is accounted from the dry run without offload: shards, gradient shards and optimizer state move
   to host memory, and two shards' copies in the compute dtype (the per-gather copy to the device) are added.
-  It is not measured.
+  With ``cpu_offload="optimizer"`` only the optimizer state leaves the device; the host holds it and the host
+  copies of each rank's trainable shard and gradient shard (see [Note: optimizer offload]). Neither is measured.
 
 Every rank of a shard group holds the same shard sizes; rank 0 holds no padding, so its elementwise optimizer
 state is the largest. Activations depend on the per-rank batch only, not on the world size.
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -52,6 +56,7 @@ import torch
 from flatshard.engine import OptionErrors, ShardOptions, UnitLayout
 from flatshard.estimator.dry_run import Measured, dry_run, itemsize
 from flatshard.estimator.options import EstimateOptions, Link, parse_bytes, parse_link
+from flatshard.estimator.runtime import Replay, factory_path, measure_runtime
 from flatshard.estimator.target import EstimateError, resolve_factory
 from flatshard.estimator.timing import collective_seconds, step_time
 
@@ -90,6 +95,11 @@ class RankEstimate:
     step_s: float | None = None
     capacity: int | None = None
     notes: list[str] = field(default_factory=list)
+    # device "cpu": what the rank's process holds beyond its tensors, measured (see [Note: a rank's runtime])
+    runtime: int = 0
+    runtime_parts: dict[str, int] = field(default_factory=dict)
+    offload: bool | str = False  # the cpu_offload option: False, True or "optimizer"
+    activations_host: int = 0  # activation_offload: the units' saved activations in host memory
 
     @property
     def fits(self) -> bool | None:
@@ -98,8 +108,11 @@ class RankEstimate:
     @property
     def persistent(self) -> int:
         """Device bytes that stay between steps and shrink with more ranks (shards, gradient shards, optimizer
-        state; with CPU offload only the gradient shards in flight to the host)."""
-        return self.grads if self.host else self.params + self.grads + self.optimizer
+        state; with CPU offload only the gradient shards in flight to the host, with optimizer offload no optimizer
+        state)."""
+        if self.offload is True:
+            return self.grads
+        return self.params + self.grads + (0 if self.offload else self.optimizer)
 
 
 @dataclass
@@ -152,6 +165,7 @@ def _diagnose(row: RankEstimate) -> str:
         ("activations", row.activations or 0),
         ("other transient memory", row.other_transient),
         ("overhead", row.overhead),
+        ("runtime", row.runtime),
     ]
     largest = max(parts, key=lambda p: p[1])
     lines = [
@@ -167,9 +181,14 @@ def _diagnose(row: RankEstimate) -> str:
             f"more ranks alone cannot help: {_gib(fixed)} per rank does not shrink with ranks (gathered units, "
             "activations, overhead)"
         )
-    if row.persistent and not row.host:
+    if row.persistent and not row.offload:
         hints.append(
             f"--cpu-offload moves {_gib(row.persistent)} of shards and optimizer state to host memory"
+            + (
+                f" (--cpu-offload optimizer: {_gib(row.optimizer)} of optimizer state)"
+                if row.optimizer
+                else ""
+            )
         )
     if row.activations:
         hints.append(
@@ -258,6 +277,38 @@ def _describe_precision(options: ShardOptions) -> str:
     return f"compute {compute}, reduce {name.get(reduce, str(reduce)) if reduce else 'param dtype'}"
 
 
+def _offload_activations(
+    m: Measured, opts: EstimateOptions, activations: int | None, peak: int, notes: list[str]
+) -> tuple[int | None, int, int]:
+    """``activation_offload``: the units' saved activations wait in host memory; two units' stay on the device
+    (the unit computing and the one in flight or prefetched: see [Note: activation offload]), and so does what
+    the root saves after its last unit. Derived from the measured step's per-unit bytes; the peak is taken to
+    hold every activation, as at the start of backward. Returns the device activations, the peak, the host
+    bytes."""
+    if not opts.shard.activation_offload:
+        return activations, peak, 0
+    if opts.device == "cpu":
+        notes.append("activation offload: no effect on a CPU device (activations are in host memory already)")
+        return activations, peak, 0
+    if activations is None:
+        notes.append("activation offload: not counted without an example batch")
+        return activations, peak, 0
+    if not m.offloaded_units:
+        notes.append(
+            "activation offload: nothing moves (no unit below the root saves a tensor of 256 KiB or more; --wrap "
+            "makes units)"
+        )
+        return activations, peak, 0
+    moved = sum(m.offloaded_units.values())
+    stay = sum(sorted(m.offloaded_units.values(), reverse=True)[:2])
+    saved = min(max(0, moved - stay), activations)
+    notes.append(
+        "activation offload: the units' saved activations in host memory, two units' on the device (derived "
+        "from the measured step, not measured)"
+    )
+    return activations - saved, peak - saved, moved
+
+
 def _row(m: Measured, opts: EstimateOptions) -> RankEstimate:
     shard_opts = opts.shard
     layouts = m.layouts
@@ -282,14 +333,28 @@ def _row(m: Measured, opts: EstimateOptions) -> RankEstimate:
         comm = _layout_comm(layouts, shard_opts.reshard_root_after_forward)
         peak = m.params + m.grads + m.optimizer + m.buffers + gathered + other + lag + overhead
         notes.append("no example batch: activations not counted, gathered units from the schedule rules")
+    activations, peak, activations_host = _offload_activations(m, opts, activations, peak, notes)
     host = 0
-    if shard_opts.cpu_offload:
+    if shard_opts.offload_optimizer:  # see [Note: optimizer offload]
+        host_copies = sum(
+            max(L.grad_numel(r) for r in range(L.shard_world))
+            * (itemsize(L.param_dtype) + itemsize(L.grad_dtype))
+            for L in layouts
+        )
+        host = m.optimizer + host_copies
+        peak -= m.optimizer
+        notes.append(
+            "cpu_offload='optimizer': optimizer state and host copies of the trainable shards and gradient shards "
+            "in host memory (derived, not measured)"
+        )
+    if shard_opts.offload_params:
         host = m.params + m.grads + m.optimizer
         copies = sorted((L.shard_numel * itemsize(L.compute_dtype) for L in layouts), reverse=True)[:2]
         peak = peak - m.params - m.optimizer + sum(copies)
         notes.append(
             "CPU offload: shards, gradient shards and optimizer state in host memory (derived, not measured)"
         )
+    host += activations_host
     by_group = {
         "shard": comm.get("all_gather", 0) + comm.get("reduce_scatter", 0),
         "replicate": comm.get("all_reduce", 0),
@@ -311,6 +376,8 @@ def _row(m: Measured, opts: EstimateOptions) -> RankEstimate:
         overhead=overhead,
         peak=peak,
         host=host,
+        offload=shard_opts.cpu_offload,
+        activations_host=activations_host,
         measured=m.peak is not None,
         comm=comm,
         comm_by_group={k: v for k, v in by_group.items() if v},
@@ -351,6 +418,53 @@ def _add_timing(row: RankEstimate, m: Measured, opts: EstimateOptions) -> None:
     )
 
 
+def _channel_segments(layouts: list[UnitLayout]) -> int:
+    """Shared-memory segments a CPU rank maps: one per rank of each group of more than one rank (see [Note:
+    shared-memory collectives])."""
+    shard = max((L.shard_world for L in layouts), default=1)
+    replicate = max((L.replicate_world for L in layouts), default=1)
+    return (shard if shard > 1 else 0) + (replicate if replicate > 1 else 0)
+
+
+def _add_runtime(rows: list[RankEstimate], runs: list[Measured], target: Any, name: str) -> None:
+    """Device "cpu": add the rank's runtime, measured, to each row (see [Note: a rank's runtime])."""
+    if not os.path.exists("/proc/self/status"):
+        for row in rows:
+            row.notes.append(
+                "runtime not measured: it reads /proc (Linux); give it with --overhead SIZE (overhead=...)"
+            )
+        return
+    path = factory_path(target)
+    logs = [
+        Replay([int(s.numel()) * itemsize(L.param_dtype) for L in m.layouts for s in L.shapes], m.allocations)
+        for m in runs
+        if m.allocations
+    ]
+    processes = 2 if any(r.world_size > 1 for r in rows) else 1
+    try:
+        measured = measure_runtime(path, processes, logs)
+    except RuntimeError as err:
+        raise EstimateError(
+            f"measuring a CPU rank's runtime failed: {err} HINT: fix the error above, or give the runtime yourself "
+            "with --overhead SIZE (overhead=...), which skips the measurement."
+        ) from err
+    log = 0
+    for row, m in zip(rows, runs, strict=True):
+        row.runtime_parts = measured.parts(_channel_segments(m.layouts), log if m.allocations else None)
+        log += bool(m.allocations)
+        row.runtime = sum(row.runtime_parts.values())
+        row.peak += row.runtime
+        row.notes += measured.notes
+        if not m.allocations:
+            row.notes.append("runtime: the allocator's part needs an example batch (a step to replay)")
+    if path is None:
+        for row in rows:
+            row.notes.append(
+                f"runtime: the model's imports are not measured: {name} cannot be imported by name in a fresh "
+                "process (define the factory at module level in an importable module)"
+            )
+
+
 def estimate(
     target: str | Callable[[], Any],
     world_size: int | str | Sequence[int],
@@ -358,8 +472,10 @@ def estimate(
     sharding_strategy: Any = "FULL_SHARD",
     auto_wrap_policy: Any = None,
     mixed_precision: Any = None,
-    cpu_offload: bool = False,
+    cpu_offload: bool | str = False,
+    activation_offload: bool = False,
     activation_checkpointing_policy: Any = None,
+    activation_checkpointing_mode: Any = "full",
     limit_all_gathers: bool = True,
     backward_prefetch: Any = "BACKWARD_PRE",
     forward_prefetch: bool = False,
@@ -382,7 +498,10 @@ def estimate(
             ``(module, example_batch)``; it is called under ``torch.device("meta")``.
         world_size: ranks to estimate for: an int, ``"8,64,512"`` or a list.
         sharding_strategy: as for :class:`flatshard.ShardOptions` (the strategy's own options), and so are
-            ``auto_wrap_policy``, ``mixed_precision``, ``cpu_offload``, ``activation_checkpointing_policy``,
+            ``auto_wrap_policy``, ``mixed_precision``, ``cpu_offload``, ``activation_offload`` (the units'
+            activations in host memory, two units' on the device; derived from the step's saved tensors),
+            ``activation_checkpointing_policy``,
+            ``activation_checkpointing_mode`` (run as in training: selective checkpointing keeps what it keeps),
             ``limit_all_gathers``, ``backward_prefetch``, ``forward_prefetch`` and ``reshard_root_after_forward``.
         shard_group_size: hybrid strategies: ranks per shard group (an int or several). Default: 8 (or the
             world size, when smaller).
@@ -395,7 +514,8 @@ def estimate(
             shard group's.
         tflops: achieved compute per rank in TFLOP/s, for the exposed communication time. Default: 400.
         capacity: memory per device (``"80GiB"``), what "fits" means. Default: 80 GiB on cuda.
-        overhead: memory per device outside tensors. Default: 1 GiB on cuda, 0 on cpu.
+        overhead: memory per device outside tensors. Default: 1 GiB on cuda; on cpu the rank's runtime is
+            measured instead (see [Note: a rank's runtime]), and a value given replaces the measurement.
 
     Returns:
         An :class:`Estimate`; ``str(format_table(estimate))`` is the command's table.
@@ -405,7 +525,9 @@ def estimate(
         auto_wrap_policy=auto_wrap_policy,
         mixed_precision=mixed_precision,
         cpu_offload=cpu_offload,
+        activation_offload=activation_offload,
         activation_checkpointing_policy=activation_checkpointing_policy,
+        activation_checkpointing_mode=activation_checkpointing_mode,
         limit_all_gathers=limit_all_gathers,
         backward_prefetch=backward_prefetch,
         forward_prefetch=forward_prefetch,
@@ -434,15 +556,22 @@ def estimate(
     factory = resolve_factory(target)
     name = target if isinstance(target, str) else getattr(target, "__qualname__", repr(target))
     rows = []
+    runs = []
+    measure = opts.device == "cpu" and opts.overhead is None
     for world in opts.world_sizes:
         for group in opts.group_sizes_for(world):
-            rows.append(_row(dry_run(factory, name, opts, world, group), opts))
+            runs.append(dry_run(factory, name, opts, world, group, log_allocations=measure))
+            rows.append(_row(runs[-1], opts))
+    if measure and rows:
+        _add_runtime(rows, runs, target, name)
     described = {
         "sharding_strategy": shard_options.sharding_strategy.name,
         "auto_wrap_policy": repr(shard_options.auto_wrap_policy),
         "mixed_precision": _describe_precision(shard_options),
         "cpu_offload": shard_options.cpu_offload,
+        "activation_offload": shard_options.activation_offload,
         "activation_checkpointing_policy": repr(shard_options.activation_checkpointing_policy),
+        "activation_checkpointing_mode": shard_options.activation_checkpointing_mode,
         "limit_all_gathers": shard_options.limit_all_gathers,
         "optimizer": opts.optimizer if isinstance(opts.optimizer, str) else opts.optimizer.__name__,
         "device": opts.device,

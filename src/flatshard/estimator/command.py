@@ -55,6 +55,19 @@ def _policy(value: str | None, what: str, checkpointing: bool = False) -> Any:
     return (_CheckNames if checkpointing else ClassNames)(tuple(items))
 
 
+def _checkpointing_mode(value: str, checkpoint: str | None) -> str | list[str]:
+    """``full`` / ``selective`` / ``aten.mm,aten.addmm`` (operators to keep)."""
+    text = value.strip()
+    if checkpoint is None and text.lower() != "full":
+        raise EstimateError(
+            f"--activation-checkpointing-mode {value} says what checkpointed modules keep, and --checkpoint names "
+            "none. HINT: add --checkpoint with the layers' class, e.g. --checkpoint LlamaBlock."
+        )
+    if text.lower() in ("full", "selective") or ("," not in text and "." not in text):
+        return text  # a mode, or a wrong one that the options name
+    return [v for v in text.replace(" ", "").split(",") if v]
+
+
 def _mixed_precision(value: str | None) -> Any:
     """``bf16`` (compute and reduce in bf16), ``bf16,fp32`` (reduce in fp32), ``none``."""
     if value is None or value.strip().lower() in ("none", "fp32", "32"):
@@ -99,11 +112,30 @@ def add_parser(sub: Any) -> None:
         "--checkpoint", default=None, help="activation checkpointing: module class names or import paths"
     )
     p.add_argument(
+        "--activation-checkpointing-mode",
+        default="full",
+        help="what --checkpoint modules keep: full (default: their inputs), selective (also matrix products and "
+        "attention), or operators to keep, comma-separated: aten.mm,aten.addmm",
+    )
+    p.add_argument(
         "--mixed-precision",
         default=None,
         help="compute dtype, optionally the reduce dtype: bf16, bf16,fp32, none",
     )
-    p.add_argument("--cpu-offload", action="store_true", help="shards and optimizer state in host memory")
+    p.add_argument(
+        "--cpu-offload",
+        nargs="?",
+        const=True,
+        default=False,
+        choices=("optimizer",),
+        help="shards, gradients and optimizer state in host memory; '--cpu-offload optimizer': only the "
+        "optimizer state",
+    )
+    p.add_argument(
+        "--activation-offload",
+        action="store_true",
+        help="the units' saved activations in host memory, two units' on the device (needs --wrap and a batch)",
+    )
     p.add_argument(
         "--optimizer",
         default="adamw",
@@ -133,7 +165,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--replicate-latency", default=None)
     p.add_argument("--tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU (default 400)")
     p.add_argument("--gpu-memory", default=None, help="memory per device (default 80GiB on cuda)")
-    p.add_argument("--overhead", default=None, help="memory outside tensors (default 1GiB on cuda)")
+    p.add_argument(
+        "--overhead",
+        default=None,
+        help="memory outside tensors (default 1GiB on cuda; on cpu the rank's runtime is measured unless given)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
@@ -146,8 +182,12 @@ def run(args: argparse.Namespace) -> int:
             sharding_strategy=args.strategy,
             auto_wrap_policy=_policy(args.wrap, "--wrap"),
             activation_checkpointing_policy=_policy(args.checkpoint, "--checkpoint", checkpointing=True),
+            activation_checkpointing_mode=_checkpointing_mode(
+                args.activation_checkpointing_mode, args.checkpoint
+            ),
             mixed_precision=_mixed_precision(args.mixed_precision),
             cpu_offload=args.cpu_offload,
+            activation_offload=args.activation_offload,
             optimizer=args.optimizer,
             shard_group_size=args.shard_group_size,
             limit_all_gathers=not args.no_limit_all_gathers,

@@ -19,6 +19,7 @@ import torch.nn as nn
 from flatshard.engine import (
     ShardOptions,
     UnitLayout,
+    activation_offload_stats,
     comm_stats,
     gathered_buffers,
     is_whole_tensor_optimizer,
@@ -73,6 +74,11 @@ class Measured:
     comm: dict[str, int] = field(default_factory=dict)  # bytes this rank sent per collective kind
     collectives: list[Collective] = field(default_factory=list)
     flops: int = 0
+    # activation_offload: bytes each unit's saved activations held in the measured step (see [Note: activation
+    # offload]; on the meta device the hooks run without copies, with a GPU's size threshold)
+    offloaded_units: dict[str, int] = field(default_factory=dict)
+    # with a batch and ``log_allocations``: the step's allocations in order (see StorageTracker.allocations)
+    allocations: list[tuple[int, int, bool]] = field(default_factory=list)
 
 
 def make_optimizer(
@@ -170,6 +176,25 @@ def _storage_ids(tensors: list[torch.Tensor]) -> set[int]:
     return {id(t.untyped_storage()) for t in tensors}
 
 
+def _engine_blocks(layouts: list[UnitLayout], param_ids: set[int]) -> Callable[[torch.UntypedStorage], bool]:
+    """Which storages of the step the engine allocates as flat blocks, each a mapping of its own on CPU (see [Note:
+    huge pages for CPU buffers]): the shards (sharded over ranks) and the buffers of a unit's flat sizes (gathered
+    parameters, gradients to reduce, gradient shards, casts). The rest comes from the C allocator."""
+    sizes = set()
+    for L in layouts:
+        for dtype in {L.param_dtype, L.compute_dtype, L.reduce_dtype, L.grad_dtype}:
+            for numel in (L.padded_numel, L.shard_numel, L.reduce_chunk):
+                sizes.add(numel * itemsize(dtype))
+    sharded = any(L.shard_world > 1 for L in layouts)
+
+    def is_block(st: torch.UntypedStorage) -> bool:
+        if id(st) in param_ids:
+            return sharded  # a single rank's shard is an ordinary tensor
+        return int(st.nbytes()) in sizes
+
+    return is_block
+
+
 _reference_attention = torch.nn.functional.scaled_dot_product_attention
 
 
@@ -225,10 +250,16 @@ def _attention_as_on_devices() -> Iterator[None]:
 
 
 def dry_run(
-    factory: Callable[[], Any], name: str, opts: EstimateOptions, world: int, group: int | None
+    factory: Callable[[], Any],
+    name: str,
+    opts: EstimateOptions,
+    world: int,
+    group: int | None,
+    log_allocations: bool = False,
 ) -> Measured:
     """Shard ``factory()``'s model on the meta device over a fake process group of ``world`` ranks (this process
-    rank 0) and measure two training steps (the second one: see [Note: estimating a step])."""
+    rank 0) and measure two training steps (the second one: see [Note: estimating a step]); with
+    ``log_allocations``, keep the second step's allocations for a replay (see [Note: a rank's runtime])."""
     if dist.is_available() and dist.is_initialized():
         raise EstimateError(
             "the estimate runs its own (fake) process group, and this process already has one. HINT: call "
@@ -238,13 +269,18 @@ def dry_run(
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world)
     try:  # the fake group's state (its desync limit) goes with it: see [Note: state per process group]
         with _attention_as_on_devices():
-            return _measure(factory, name, opts, world, group)
+            return _measure(factory, name, opts, world, group, log_allocations)
     finally:
         dist.destroy_process_group()
 
 
 def _measure(
-    factory: Callable[[], Any], name: str, opts: EstimateOptions, world: int, group: int | None
+    factory: Callable[[], Any],
+    name: str,
+    opts: EstimateOptions,
+    world: int,
+    group: int | None,
+    log_allocations: bool = False,
 ) -> Measured:
     built = build(factory, name)
     module = built.module
@@ -292,6 +328,7 @@ def _measure(
             "optimizer": lambda st: id(st) in state_ids,
         },
         count_flops=True,
+        log=_engine_blocks(layouts, param_ids) if log_allocations else None,
     )
     tracker.watch(persistent + states)
     tracker.watch_resizable(gathered_buffers(module))
@@ -311,10 +348,14 @@ def _measure(
     live0, gathered0 = marks["start"]
     live1, gathered1 = marks["forward"]
     measured.activations = max(0, (live1 - gathered1) - (live0 - gathered0))
+    offloaded = activation_offload_stats(module)
+    if offloaded is not None and opts.shard.activation_offload:
+        measured.offloaded_units = dict(offloaded.unit_bytes)
     measured.peak = tracker.peak + whole_state
     breakdown = dict(tracker.peak_breakdown)
     measured.peak_breakdown = breakdown
     measured.flops = tracker.flops
+    measured.allocations = tracker.allocations
     times = [ns for ns, _ in tracker.trace]
     flops = [f for _, f in tracker.trace]
 

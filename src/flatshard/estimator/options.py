@@ -229,7 +229,8 @@ class EstimateOptions:
         tflops: achieved compute throughput per rank in TFLOP/s, for the exposed communication time.
         capacity: memory per device in bytes: what "fits" means (default 80 GiB on cuda, none on cpu).
         overhead: bytes per device outside tensors (CUDA context, communication buffers); default 1 GiB on
-            cuda, 0 on cpu.
+            cuda; on cpu ``None`` (the default) has the rank's runtime measured instead (see [Note: a rank's
+            runtime]), and a value replaces the measurement.
     """
 
     world_sizes: tuple[int, ...]
@@ -282,8 +283,8 @@ class EstimateOptions:
             object.__setattr__(self, "replicate_link", self.link)
         if self.capacity is None and device == "cuda":
             object.__setattr__(self, "capacity", 80 * 2**30)
-        if self.overhead is None:
-            object.__setattr__(self, "overhead", 2**30 if device == "cuda" else 0)
+        if self.overhead is None and device == "cuda":
+            object.__setattr__(self, "overhead", 2**30)  # cpu: None, the runtime is measured
 
     def group_sizes_for(self, world: int) -> tuple[int | None, ...]:
         """The shard group sizes to estimate at ``world`` ranks (``(None,)`` for non-hybrid strategies)."""

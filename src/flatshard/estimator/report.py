@@ -55,15 +55,18 @@ def format_table(est: Estimate) -> str:
     add("units (flat parameters)", lambda r: str(r.units))
     add("largest unit", lambda r: f"{r.largest_unit} ({format_count(r.largest_unit_numel)})")
     section("memory per rank")
-    add("  parameters", lambda r: format_bytes(r.params) + (" (host)" if r.host else ""))
+    add("  parameters", lambda r: format_bytes(r.params) + (" (host)" if r.offload is True else ""))
     add("  gradients", lambda r: format_bytes(r.grads))
-    add("  optimizer state", lambda r: format_bytes(r.optimizer) + (" (host)" if r.host else ""))
+    add("  optimizer state", lambda r: format_bytes(r.optimizer) + (" (host)" if r.offload else ""))
     add("  buffers", lambda r: format_bytes(r.buffers), any(r.buffers for r in rows))
     add("  gathered units (max)", lambda r: format_bytes(r.gathered))
     add("  allocator lag (CUDA)", lambda r: format_bytes(r.allocator_lag), opts.get("device") == "cuda")
     add("  activations", lambda r: format_bytes(r.activations) if r.activations is not None else "not given")
+    moved = any(r.activations_host for r in rows)
+    add("  activations (host)", lambda r: format_bytes(r.activations_host), moved)
     add("  other transient", lambda r: format_bytes(r.other_transient))
     add("  overhead", lambda r: format_bytes(r.overhead), any(r.overhead for r in rows))
+    add("  runtime (measured)", lambda r: format_bytes(r.runtime), any(r.runtime_parts for r in rows))
     add("  peak", lambda r: format_bytes(r.peak))
     add("  host memory (offload)", lambda r: format_bytes(r.host), any_offload)
     if rows and rows[0].capacity is not None:
@@ -111,4 +114,8 @@ def format_table(est: Estimate) -> str:
         )
     notes = sorted({n for r in rows for n in r.notes})
     out += [f"note: {n}" for n in notes]
+    for r in rows:
+        if r.runtime_parts:
+            parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in r.runtime_parts.items())
+            out.append(f"runtime at {_column(r)}: {parts}")
     return "\n".join(out)

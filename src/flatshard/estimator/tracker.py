@@ -14,6 +14,10 @@ Storages that exist before tracking starts (the shards, the optimizer state) are
 changes (freed to zero after use, allocated again for the next gather), so their sizes are read at every
 operator rather than once (:meth:`StorageTracker.watch_resizable`). Memory that no tensor storage holds (the
 CUDA context, the communication library's buffers, a CPU allocator's cached blocks) is not in this measure.
+
+With ``log`` the tracker also keeps the step's allocations and frees in order (:attr:`StorageTracker.allocations`):
+what the estimator replays on real memory to measure the CPU allocator's share of a rank's RSS (see [Note: a
+rank's runtime] in ``runtime.py``).
 """
 
 from __future__ import annotations
@@ -47,12 +51,15 @@ class StorageTracker(TorchDispatchMode):
             storage is counted in the first category whose predicate accepts it, else in ``"other"``).
         count_flops: also count the operators' floating-point operations (torch's FLOP formulas) and keep a
             ``(time, flops so far)`` trace, which places collectives between compute (see ``timing``).
+        log: also record every allocation and free in :attr:`allocations`; the predicate says which storages are
+            blocks the engine maps itself (the resizable ones always are).
     """
 
     def __init__(
         self,
         categories: dict[str, Callable[[torch.UntypedStorage], bool]] | None = None,
         count_flops: bool = False,
+        log: Callable[[torch.UntypedStorage], bool] | None = None,
     ) -> None:
         super().__init__()
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes when registered
@@ -67,11 +74,26 @@ class StorageTracker(TorchDispatchMode):
         self.flops = 0  # floating-point operations of the operators seen (with count_flops)
         self._count_flops = count_flops
         self.trace: list[tuple[int, int]] = []  # (perf_counter_ns after an operator, flops so far)
+        self._log = log
+        # (key, bytes, mapped by the engine) per allocation, (key, -1, False) per free; keys number storages
+        self.allocations: list[tuple[int, int, bool]] = []
+        self._log_keys: dict[int, int] = {}  # id(storage) -> its key in ``allocations``
+        self._logged_sizes: dict[int, int] = {}  # resizable storages: the size last logged
+        self._next_key = 0
 
     # ------------------------------------------------------------------ registration
     def _forget(self, key: int) -> None:
         self._fixed -= self._sizes.pop(key, 0)
         self._refs.pop(key, None)
+        logged = self._log_keys.pop(key, None)
+        if logged is not None:
+            self.allocations.append((logged, -1, False))
+
+    def _logged(self, key: int) -> int:
+        """A new key in ``allocations`` for the storage ``key`` (an id, which a later storage may reuse)."""
+        self._log_keys[key] = logged = self._next_key
+        self._next_key += 1
+        return logged
 
     def _forgotten(self, key: int, _ref: object) -> None:
         self._forget(key)
@@ -88,6 +110,8 @@ class StorageTracker(TorchDispatchMode):
         nbytes = int(st.nbytes())
         self._sizes[key] = nbytes
         self._fixed += nbytes
+        if self._log is not None:
+            self.allocations.append((self._logged(key), nbytes, self._log(st)))
 
     def watch(self, tensors: Iterable[torch.Tensor | None]) -> None:
         """Register the storages of ``tensors`` (tensors alive before the block, e.g. shards and states)."""
@@ -107,6 +131,8 @@ class StorageTracker(TorchDispatchMode):
             if key in self._refs:
                 self._forget(key)
             self._resizable[key] = weakref.ref(st)
+            if self._log is not None:
+                self._logged(key)
 
     # ------------------------------------------------------------------ measuring
     def live(self) -> int:
@@ -115,11 +141,22 @@ class StorageTracker(TorchDispatchMode):
 
     def resizable_bytes(self) -> int:
         total = 0
-        for ref in self._resizable.values():
+        for key, ref in self._resizable.items():
             st = ref()
-            if st is not None:
-                total += int(st.nbytes())
+            nbytes = int(st.nbytes()) if st is not None else 0
+            total += nbytes
+            if self._log is not None and nbytes != self._logged_sizes.get(key, 0):
+                self._log_resize(key, nbytes)
         return total
+
+    def _log_resize(self, key: int, nbytes: int) -> None:
+        """A resizable storage freed, allocated again, or both since the last look."""
+        logged = self._log_keys[key]
+        if self._logged_sizes.get(key, 0):
+            self.allocations.append((logged, -1, False))
+        if nbytes:
+            self.allocations.append((logged, nbytes, True))
+        self._logged_sizes[key] = nbytes
 
     def sample(self) -> int:
         """Take the live total now (also called after every operator); returns it."""

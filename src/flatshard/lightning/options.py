@@ -270,7 +270,9 @@ class OptionArguments(TypedDict, total=False):
     sharding_strategy: ShardingStrategy | str
     auto_wrap_policy: _Policy
     activation_checkpointing_policy: _Policy
-    cpu_offload: bool | CPUOffload | None
+    activation_checkpointing_mode: Literal["full", "selective"] | list[str] | tuple[str, ...]
+    cpu_offload: bool | Literal["optimizer"] | CPUOffload | None
+    activation_offload: bool
     mixed_precision: MixedPrecision | dict[str, Any] | None
     limit_all_gathers: bool
     backward_prefetch: BackwardPrefetch | str | None

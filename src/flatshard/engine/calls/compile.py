@@ -33,6 +33,15 @@ break around them:
    sharding has it moved there): the compiled forward runs in forward and again, compiled, in the
    recomputation. A whole-model compile cannot reach inside such a unit, which then runs eagerly: compile the
    unit itself. A checkpointed module inside a compiled unit is traced by dynamo like any checkpoint.
+   Selective checkpointing (see [Note: selective checkpointing]) needs the compiler to see the checkpoint: its
+   policy chooses among the graph's operators, and compiled kernels run outside the dispatch mode that applies
+   it eagerly. So a compiled selective unit (``compile()``, with a forward of its class's own) runs its hooks
+   eagerly and its forward compiled *with* the checkpoint inside: dynamo traces the checkpoint and its
+   ``context_fn``, and the partitioner keeps the chosen operators' outputs and recomputes the rest inside the
+   compiled backward. The hooks are not run again: the compiled backward recomputes from the gathered
+   parameters the pre-backward hook provides, as any compiled unit's backward does. Compiled code that still
+   runs inside an eager selective checkpoint (a whole-model compile reaching a checkpointed submodule) is
+   recomputed whole: the policy keeps functional operators only, never the ``out=`` calls compiled kernels make.
 
 :func:`compile_units` is what the strategies' ``compile`` argument does after sharding. A unit compiled
 already (``block.compile()`` in ``configure_model``) keeps its own settings.

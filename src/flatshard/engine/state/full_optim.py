@@ -27,6 +27,7 @@ from flatshard.engine.state.whole_state import (
     states_as_pieces,
     whole_state_keys,
 )
+from flatshard.engine.step.optimizer_offload import offload_plan
 from flatshard.engine.step.whole_tensor import is_whole_tensor_optimizer
 from flatshard.engine.transport.comm import global_rank
 
@@ -71,6 +72,7 @@ def plan_full_optim_state_dict(
     prepare_for_state_io(module, "get_state_dict", reading=True)
     params = optimizer_params(optimizer)
     located = locate_params(params)
+    offload_plan(optimizer)  # its later loads go to host memory: see [Note: optimizer offload]
     with states_as_pieces(optimizer):  # see [Note: saving whole-tensor optimizer state]
         local = optimizer.state_dict()
         whole = whole_state_keys(optimizer)
@@ -224,6 +226,7 @@ def convert_full_optim_state_dict(
             converted[key] = value.clone() if copy and isinstance(value, torch.Tensor) else value
         local_state[pos] = converted
     note_loaded_whole(optimizer, kept_whole)
+    offload_plan(optimizer)  # its load goes to host memory: see [Note: optimizer offload]
     groups = [
         dict(g, params=list(range(start, start + len(g["params"]))))
         for g, start in zip(saved_groups, _starts(sizes_saved), strict=False)

@@ -16,6 +16,7 @@ import torch.nn as nn
 from flatshard.engine.handle import locate_params
 from flatshard.engine.runtime import unit_states
 from flatshard.engine.state.full_optim import optimizer_params
+from flatshard.engine.step.optimizer_offload import offload_plan
 
 __all__ = ["original_shapes", "rebind_optimizer"]
 
@@ -50,7 +51,8 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
     sharding) and no longer is, is replaced by the module's parameter of the same name. State an optimizer
     created in its constructor (Adagrad's ``sum``) has the parameter's full shape; it is cut down to this
     rank's piece. Tensors that were never the module's are left alone. Raises ``ValueError`` (changing
-    nothing) if a parameter cannot be found, or holds state although it was replaced.
+    nothing) if a parameter cannot be found, or holds state although it was replaced. An optimizer over units
+    with ``cpu_offload="optimizer"`` gets its load hooks here (see [Note: optimizer offload]).
     """
     now = dict(module.named_parameters(remove_duplicate=True))
     current = {id(p) for p in now.values()}
@@ -86,3 +88,4 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
                 start = info.offset_in_param
                 piece = value.reshape(-1)[start : start + info.numel_in_shard]
                 optimizer.state[p][key] = piece.to(p.device).clone().view(p.shape)
+    offload_plan(optimizer)

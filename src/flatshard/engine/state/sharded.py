@@ -27,6 +27,7 @@ from flatshard.engine.state.full_model import parameter_names, prepare_for_state
 from flatshard.engine.state.full_optim import optimizer_params
 from flatshard.engine.state.stand_ins import live_piece, saved_piece, saved_value
 from flatshard.engine.state.whole_state import note_loaded_whole, states_as_pieces, whole_state_keys
+from flatshard.engine.step.optimizer_offload import offload_plan
 
 __all__ = [
     "ParamShard",
@@ -129,6 +130,7 @@ def sharded_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer
     prepare_for_state_io(module, "get_state_dict", reading=True)
     params = optimizer_params(optimizer)
     names = _optimizer_names(module, optimizer)
+    offload_plan(optimizer)  # its later loads go to host memory: see [Note: optimizer offload]
     with states_as_pieces(optimizer):  # see [Note: saving whole-tensor optimizer state]
         local = optimizer.state_dict()
         whole = whole_state_keys(optimizer)
@@ -245,6 +247,7 @@ def to_local_optim_state(
                 converted[key] = value.clone() if isinstance(value, torch.Tensor) else value
         state[pos] = converted
     note_loaded_whole(optimizer, kept_whole)
+    offload_plan(optimizer)  # its load goes to host memory: see [Note: optimizer offload]
     groups = [
         dict(g, params=[position[n] for n in now_g]) for g, now_g in zip(saved_groups, now, strict=True)
     ]

@@ -5,4 +5,6 @@
 - ``whole_tensor``: optimizers that need each parameter whole (Muon), run on the parameter's owner rank;
   ``whole_plan`` (each such optimizer's parameters, owners and their states) and ``whole_exchange`` (its
   all-to-alls and the check before them) beside it.
+- ``optimizer_offload``: ``cpu_offload="optimizer"``, the step in host memory on host copies of the shards
+  (``host_shard``: a unit's host copies and the streams of their copies).
 """

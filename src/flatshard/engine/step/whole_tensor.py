@@ -103,6 +103,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils.hooks import RemovableHandle
 
 from flatshard.engine.handle import handle_of_param
+from flatshard.engine.step.optimizer_offload import (
+    offloaded_post_step,
+    offloaded_pre_step,
+    refuse_whole_tensor_offload,
+)
 from flatshard.engine.step.whole_exchange import Entry, agree_on_step, from_owners, to_owners
 from flatshard.engine.step.whole_plan import (
     WholeGroup,
@@ -186,7 +191,8 @@ def is_whole_tensor_optimizer(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def install_hooks() -> None:
-    """Register the global optimizer step hooks once per process (``shard()`` does)."""
+    """Register the global optimizer step hooks once per process (``shard()`` does). They also run the offloaded
+    step of ``cpu_offload="optimizer"`` (see [Note: optimizer offload]) for every other optimizer."""
     _REGISTRY.install_hooks()
 
 
@@ -272,8 +278,9 @@ def _scatter_from_owners(plan: WholeTensorPlan) -> None:
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if not is_whole_tensor_optimizer(optimizer):
-        return None
+    if not is_whole_tensor_optimizer(optimizer):  # see [Note: optimizer offload]: these hooks' other user
+        return offloaded_pre_step(optimizer, args, kwargs)
+    refuse_whole_tensor_offload(optimizer)
     plan = plan_for(optimizer)
     if not plan.groups:
         return None
@@ -298,6 +305,7 @@ def _post_step(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: 
     plan = existing_plan(optimizer)
     if plan is not None and plan.in_step():
         _scatter_from_owners(plan)
+    offloaded_post_step(optimizer)
 
 
 @contextmanager

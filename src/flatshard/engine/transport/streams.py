@@ -1,7 +1,7 @@
 """Named streams and events, created once by the root; on CPU every stream is the current one.
 
 [Note: stream overlap]
-Three side streams let communication overlap compute on CUDA:
+Side streams let communication (and activation copies) overlap compute on CUDA:
 
 - ``unshard``: all-gathers. A unit's gather runs here while the compute stream still works on the
   previous unit; compute waits on an event recorded after the gather, right before it needs the data.
@@ -14,6 +14,9 @@ Three side streams let communication overlap compute on CUDA:
   into pinned host memory follows too. The compute stream waits for one event recorded after all of
   it, at the next unit's post-backward, where the reduced gradient is next used and the buffers the
   stream read may be freed.
+- ``offload`` / ``reload`` (``activation_offload``): copies of a unit's saved activations to pinned host
+  memory when its forward returns, and back to the device one unit ahead of its backward, so neither
+  direction queues behind compute or communication (see [Note: activation offload]).
 
 Allocation rule (why there are no ``record_stream`` calls): every buffer is allocated on the compute
 stream, before a side stream touches it, and a side stream first waits for the compute stream
@@ -54,6 +57,8 @@ class CommContext:
         self.unshard: Any | None = None
         self.pre_unshard: Any | None = None
         self.post_backward: Any | None = None
+        self.offload: Any | None = None
+        self.reload: Any | None = None
         if self.is_cuda:
             self.compute = torch.cuda.current_stream(device)
             # High priority: communication should not wait behind queued compute kernels.
@@ -61,6 +66,8 @@ class CommContext:
             self.unshard = torch.cuda.Stream(device, priority=high)
             self.pre_unshard = torch.cuda.Stream(device, priority=high)
             self.post_backward = torch.cuda.Stream(device, priority=high)
+            self.offload = torch.cuda.Stream(device)
+            self.reload = torch.cuda.Stream(device)
 
     def refresh_compute(self) -> None:
         """The compute stream is whatever stream is current when an iteration starts."""
@@ -76,6 +83,8 @@ class CommContext:
                 ("unshard", self.unshard),
                 ("pre_unshard", self.pre_unshard),
                 ("post_backward", self.post_backward),
+                ("offload", self.offload),
+                ("reload", self.reload),
             )
             if s is not None
         }
