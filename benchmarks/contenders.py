@@ -51,6 +51,12 @@ REGISTRY: dict[str, Contender] = {
             {"activation_checkpointing_policy": {Block}},
         ),
         Contender(
+            "flatshard_selective",
+            "flatshard",
+            _FS + 'activation_checkpointing_policy={Block}, activation_checkpointing_mode="selective"',
+            {"activation_checkpointing_policy": {Block}, "activation_checkpointing_mode": "selective"},
+        ),
+        Contender(
             "flatshard_no_sync", "flatshard", _FS + "micro-batches but the last inside flatshard.no_sync"
         ),
         Contender(
@@ -67,6 +73,12 @@ REGISTRY: dict[str, Contender] = {
             "flatshard",
             _FS + "BACKWARD_PRE, forward_prefetch=True",
             {"forward_prefetch": True},
+        ),
+        Contender(
+            "flatshard_offload_optimizer",
+            "flatshard",
+            _FS + 'cpu_offload="optimizer" (the optimizer state and its step in host memory)',
+            {"cpu_offload": "optimizer"},
         ),
         Contender(
             "fsdp1", "fsdp1", "torch FSDP1 FULL_SHARD, ModuleWrapPolicy({Block}), use_orig_params=True"
@@ -90,6 +102,24 @@ REGISTRY: dict[str, Contender] = {
             "ddp", "ddp", "torch DistributedDataParallel: a full replica per rank (micro-batches: no_sync)"
         ),
         Contender("unsharded", "unsharded", "the plain model, nothing sharded (the reference)"),
+        Contender(
+            "adamw_naive",
+            "unsharded",
+            "torch.optim.AdamW(foreach=False) on plain CPU tensors: the per-tensor loop",
+            {"adamw": {"foreach": False}},
+        ),
+        Contender(
+            "adamw_foreach",
+            "unsharded",
+            "torch.optim.AdamW(foreach=True) on plain CPU tensors",
+            {"adamw": {"foreach": True}},
+        ),
+        Contender(
+            "adamw_fused",
+            "unsharded",
+            "torch.optim.AdamW(fused=True) on plain CPU tensors: torch's fused CPU kernel",
+            {"adamw": {"fused": True}},
+        ),
         Contender("hf", "hf", "Hugging Face transformers: from_pretrained / save_pretrained"),
     )
 }
@@ -121,7 +151,12 @@ def wrap(name: str, model: torch.nn.Module, cfg: dict[str, Any], device: torch.d
             "limit_all_gathers": True,
             "device": device,
         }
-        for key in ("reshard_root_after_forward", "activation_checkpointing_policy"):
+        for key in (
+            "reshard_root_after_forward",
+            "activation_checkpointing_policy",
+            "activation_checkpointing_mode",
+            "cpu_offload",
+        ):
             if key in c.options:
                 opts[key] = c.options[key]
         if opts["sharding_strategy"].startswith("HYBRID"):

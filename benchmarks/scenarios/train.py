@@ -55,6 +55,7 @@ OPTIONAL = [  # shown when a row has them (the options that measure them were gi
     Column("reduce MiB/step", "reduce_mib", ".1f"),
     Column("across groups MiB/step", "cross_group_mib", ".1f"),
     Column("saved activations MiB", "saved_activations_mib", ".1f"),
+    Column("held after forward MiB", "held_activations_mib", ".1f"),
     Column("private peak MiB/rank", "private_peak_mib", ".0f"),
     Column("node peak MiB", "node_peak_mib", ".0f"),
     Column("all-gather overlapped %/rank", "all_gather_overlapped_pct", ".0f"),
@@ -105,7 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--timeline", action="store_true", help="flatshard: how much communication hides behind compute"
     )
     p.add_argument(
-        "--count-activations", action="store_true", help="flatshard: bytes autograd saves in a forward"
+        "--count-activations",
+        action="store_true",
+        help="flatshard: bytes autograd saves in a forward, and all the forward leaves alive for backward",
     )
     p.add_argument(
         "--malloc-mmap-threshold", type=int, default=None, help="MALLOC_MMAP_THRESHOLD_ for the ranks"
@@ -286,9 +289,11 @@ def train_rank(rank: int, world: int, name: str, cfg: dict[str, Any]) -> dict[st
         info["cuda_alloc_retries"] = int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
         info["cuda_phase_peaks_mib"] = _phase_peaks(loss_of, batches[-1], opt, device)
     if cfg["count_activations"] and flatshard_family:  # after the timed steps: it cannot change them
-        from flatshard.testing.activations import saved_activation_bytes
+        from flatshard.testing.activations import held_activation_bytes, saved_activation_bytes
 
         info["saved_activations_mib"] = saved_activation_bytes(model, lambda: loss_of(*batches[0]))[0] / 2**20
+        # selective checkpointing keeps outputs where no saved-tensor hook sees them: count what stays alive
+        info["held_activations_mib"] = held_activation_bytes(model, lambda: loss_of(*batches[0]))[0] / 2**20
     stacked = torch.stack(losses).float()
     dist.all_reduce(stacked)
     info["losses"] = [round(v / world, 6) for v in stacked.cpu().tolist()]
@@ -366,7 +371,8 @@ def summarize(name: str, runs: list[list[dict[str, Any]]], cfg: dict[str, Any]) 
         if world > cfg["shard_group_size"]:
             hybrid = reg.get(name).options.get("strategy", "").startswith("HYBRID")
             metrics["cross_group_mib"] = (sent["all_reduce"] if hybrid else sum(sent.values())) / 2**20
-    for key in ("trainable_params", "saved_activations_mib", "cuda_max_allocated_mib", "cuda_alloc_retries"):
+    kept = ("trainable_params", "saved_activations_mib", "held_activations_mib")
+    for key in (*kept, "cuda_max_allocated_mib", "cuda_alloc_retries"):
         if key in last[0]:
             metrics[key] = [r[key] for r in last] if key.startswith("cuda") else last[0][key]
     if "memory_poll" in last[0]:
