@@ -17,22 +17,24 @@ its sizes. So it is measured, in processes started like the ranks:
    Python decompositions, is loaded and left out first, since a rank that builds its model on CPU never loads
    it). Each part is the growth of ``VmRSS`` over the part before, read after the small model is freed and the
    heap trimmed (as ``shard()`` leaves it).
-2. The first of them then replays each dry run's logged step (:attr:`StorageTracker.allocations`) on real
+2. Each of them then replays each dry run's logged step (:attr:`StorageTracker.allocations`) on real
    memory, in a forked copy of itself: it builds the model's parameters and frees them (a rank that builds its
    model on CPU and shards it leaves the allocator so), then runs the step three times, each allocation as the
    step made it (the engine's flat blocks through its own transport, each a mapping, the rest through the C
    allocator), every page written once, freed where the step freed it. What the copy's peak RSS grows beyond
    the replay's own live bytes is the allocator's part. Where the blocks land depends on the heap's state,
    which differs from process to process, and so does the result (measured on the 2-core VM of
-   ``docs/benchmarks.md``: from 70 to 145 MiB for one GPT-2 step; ranks of one run peak 15 to 35 MiB apart).
-   So the replay runs eight times, with 0 to 448 KiB held at the heap's start, and the largest counts: the
+   ``docs/benchmarks.md``: from 70 to 145 MiB for one GPT-2 step; two ranks of one run peaked up to 100 MiB
+   apart).
+   So each replays eight times, with 0 to 448 KiB held at the heap's start, and the largest of all counts: the
    busiest rank.
 
 From the engine's known sizes: a channel maps one segment per rank of its group (a hybrid layout has one channel
 per group); the measurement's touched bytes per segment times the row's segments is the channel's part, so a
 single rank has none. The ranks are taken to be on one host. Not counted: objects of a training loop beyond the
 model (a Trainer's loggers and callbacks, data loaders and their workers), and scratch memory inside an operator.
-A replay that would not fit in half of this machine's available memory is skipped (a note says so).
+A replay that would not fit in half of this machine's available memory (with the other rank's) is skipped (a
+note says so).
 """
 
 from __future__ import annotations
@@ -209,6 +211,12 @@ def _replay_forked(
     return int(data)
 
 
+def _largest(*values: int | None) -> int | None:
+    """The largest of the measured values (``None`` where none was measured)."""
+    measured = [v for v in values if v is not None]
+    return max(measured) if measured else None
+
+
 def _trim() -> None:
     """glibc's ``malloc_trim(0)``; elsewhere nothing."""
     with contextlib.suppress(OSError, AttributeError):
@@ -283,7 +291,7 @@ def _rank(spec: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"base": base, "shmem": shmem, "allocator": [], "notes": []}
     for entry in spec["logs"]:
         need = max(live_peak(entry["step"]), sum(entry["build"]))
-        if 2 * need > _available():
+        if 2 * world * need > _available():  # every measuring rank replays at once
             out["allocator"].append(None)
             out["notes"].append(
                 f"the allocator was not measured: replaying the step needs {need / 2**20:.0f} MiB, more than half "
@@ -328,7 +336,7 @@ class Replay(NamedTuple):
 def measure_runtime(
     target: str | None, processes: int, logs: Sequence[Replay], timeout: float = _TIMEOUT_S
 ) -> Runtime:
-    """Measure a rank's runtime in ``processes`` fresh ranks (1 or 2) and replay ``logs`` on the first of them.
+    """Measure a rank's runtime in ``processes`` fresh ranks (1 or 2), each replaying ``logs``.
 
     ``target`` is the factory's import path (``None``: the model's imports are not measured). Raises
     ``RuntimeError`` naming the rank and its error output when a rank fails or ``timeout`` passes; every
@@ -349,7 +357,7 @@ def measure_runtime(
                     "processes": processes,
                     "store": os.path.join(tmp, "store"),
                     "parent": os.getpid(),
-                    "logs": [{"build": r.build, "step": r.step} for r in logs] if rank == 0 else [],
+                    "logs": [{"build": r.build, "step": r.step} for r in logs],
                 }
                 spec_path = os.path.join(tmp, f"spec{rank}.json")
                 with open(spec_path, "w") as f:
@@ -389,7 +397,7 @@ def measure_runtime(
                 raise RuntimeError(f"measuring rank {rank} of {processes} {why}:\n{tail}")
             with open(out) as f:
                 results[rank] = json.load(f)
-    base = dict(results[0]["base"])  # the other rank's parts, but the model's imports, are alike (a check)
+    base = dict(results[0]["base"])  # the first rank's: the other's are alike but for the model's imports
     shmem = max(r["shmem"] for r in results.values())
     segments = processes if processes > 1 else 0
     return Runtime(
@@ -397,6 +405,6 @@ def measure_runtime(
         channel_segment=shmem // segments if segments else 0,
         segments=segments,
         processes=processes,
-        allocator=results[0]["allocator"],
+        allocator=[_largest(*samples) for samples in zip(*(r["allocator"] for r in results.values()))],
         notes=results[0]["notes"],
     )
