@@ -234,6 +234,7 @@ def _run(rank: int, world: int, store_dir: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_freed_models_and_destroyed_groups_leave_nothing(tmp_path: Path) -> None:
     for rank, out in enumerate(spawn(_run, 2, str(tmp_path), timeout=240)):
