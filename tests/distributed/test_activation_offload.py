@@ -30,32 +30,14 @@ STEPS = 3
 BF16 = {"param_dtype": torch.bfloat16}
 
 
-def _hf_llama() -> tuple[nn.Module, type[nn.Module]]:
-    """A tiny random Hugging Face Llama (built from a config: no download) and its decoder layer class."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return LlamaForCausalLM(config), LlamaDecoderLayer
-
-
 def _build(model_name: str) -> tuple[nn.Module, type[nn.Module], Callable[[nn.Module, Any], torch.Tensor]]:
     """The model (seeded), its block class, and its loss on a batch."""
-    torch.manual_seed(0)
     if model_name == "hf_llama":
-        model, block = _hf_llama()
+        from tests.hf.hf_common import tiny_llama  # transformers: only where a case needs it
+
+        model, block = tiny_llama()
         return model, block, lambda m, b: m(input_ids=b[0], labels=b[0]).loss
+    torch.manual_seed(0)
     model = TinyGPT(d_model=16, n_layer=3)
     return model, Block, lambda m, b: m.loss(b[0], b[1])
 

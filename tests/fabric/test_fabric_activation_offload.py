@@ -20,25 +20,6 @@ STEPS = 3
 PER_RANK = 2
 
 
-def _llama() -> tuple[torch.nn.Module, type[torch.nn.Module]]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return LlamaForCausalLM(config), LlamaDecoderLayer
-
-
 def _loss(model_name: str, model: torch.nn.Module, step: int, rank: int, world: int) -> torch.Tensor:
     mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     if model_name == "llama":
@@ -51,8 +32,14 @@ def _loss(model_name: str, model: torch.nn.Module, step: int, rank: int, world: 
 
 
 def _train(rank: int, world: int, model_name: str, checkpointed: bool, offload: bool) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model, block = _llama() if model_name == "llama" else (TinyGPT(), Block)
+    model: torch.nn.Module
+    if model_name == "llama":
+        from tests.hf.hf_common import tiny_llama  # transformers: only where a case needs it
+
+        model, block = tiny_llama()
+    else:
+        torch.manual_seed(0)
+        model, block = TinyGPT(), Block
     strategy = FlatShardFabricStrategy(
         auto_wrap_policy={block},
         activation_checkpointing_policy={block} if checkpointed else None,

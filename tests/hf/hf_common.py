@@ -32,6 +32,7 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.t5.modeling_t5 import T5Block
 
 from tests.lightning.lit_common import LossRecorder, make_trainer
@@ -86,18 +87,7 @@ def build_config(kind: str) -> Any:
             decoder_start_token_id=0,
         )
     if kind == "llama":
-        return LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            max_position_embeddings=32,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
+        return llama_config()
     if kind == "resnet":
         return ResNetConfig(
             num_channels=3,
@@ -108,6 +98,30 @@ def build_config(kind: str) -> Any:
             num_labels=LABELS,
         )
     raise ValueError(kind)
+
+
+def llama_config(layers: int = 2, heads: int = 2, kv_heads: int = 2) -> LlamaConfig:
+    """The tiny Llama's config: hidden size 32, ``heads`` attention heads over ``kv_heads`` key-value heads."""
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=32,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def tiny_llama(seed: int = 0) -> tuple[LlamaForCausalLM, type[torch.nn.Module]]:
+    """A tiny random Llama with three decoder layers and grouped-query attention (4 heads over 2 key-value
+    heads), the same for a given seed on every rank; and its decoder layer class, the unit for
+    ``auto_wrap_policy``."""
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(llama_config(layers=3, heads=4, kv_heads=2)), LlamaDecoderLayer
 
 
 def build_model(kind: str, seed: int = 0) -> PreTrainedModel:

@@ -28,22 +28,9 @@ class LitLlama(L.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from tests.hf.hf_common import tiny_llama  # transformers: only where a case needs it
 
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=32,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
-        self.model = LlamaForCausalLM(config)
+        self.model, self.block = tiny_llama()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss: torch.Tensor = self.model(input_ids=batch[0], labels=batch[0]).loss
@@ -82,10 +69,9 @@ def _fit(world: int, model_name: str, checkpointed: bool, offload: bool) -> dict
 
         module, block, loader = TwoOptimizerGPT("norm"), Block, make_loader(STEPS, GLOBAL_BATCH, world)
     elif model_name == "llama":
-        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-        module: L.LightningModule = LitLlama()
-        block: type[torch.nn.Module] = LlamaDecoderLayer
+        llama = LitLlama()
+        module: L.LightningModule = llama
+        block: type[torch.nn.Module] = llama.block
         loader = _llama_loader(world)
     else:
         module, block, loader = LitGPT(), Block, make_loader(STEPS, GLOBAL_BATCH, world)

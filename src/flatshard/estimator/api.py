@@ -100,6 +100,10 @@ class RankEstimate:
     runtime_parts: dict[str, int] = field(default_factory=dict)
     offload: bool | str = False  # the cpu_offload option: False, True or "optimizer"
     activations_host: int = 0  # activation_offload: the units' saved activations in host memory
+    # the options this row was estimated with (the diagnosis does not suggest them again)
+    checkpointing: str | None = None  # activation checkpointing: None (off), full, selective, operators
+    activation_offload: bool = False
+    device: str = "cuda"
 
     @property
     def fits(self) -> bool | None:
@@ -181,26 +185,70 @@ def _diagnose(row: RankEstimate) -> str:
             f"more ranks alone cannot help: {_gib(fixed)} per rank does not shrink with ranks (gathered units, "
             "activations, overhead)"
         )
-    if row.persistent and not row.offload:
-        hints.append(
-            f"--cpu-offload moves {_gib(row.persistent)} of shards and optimizer state to host memory"
-            + (
-                f" (--cpu-offload optimizer: {_gib(row.optimizer)} of optimizer state)"
-                if row.optimizer
-                else ""
-            )
-        )
+    hints += _offload_hints(row)
     if row.activations:
-        hints.append(
-            f"activation checkpointing (--checkpoint BlockClass) or a smaller per-rank batch shrinks the "
-            f"{_gib(row.activations)} of activations"
-        )
+        hints += _activation_hints(row, row.activations)
     if row.gathered + row.allocator_lag > cap / 4:
         hints.append(
             f"smaller units (--wrap with finer classes): the largest unit, {row.largest_unit}, alone holds "
             f"{row.largest_unit_numel:,} parameters when gathered"
         )
     return " ".join(lines) + " HINT: " + "; ".join(hints) + "."
+
+
+def _offload_hints(row: RankEstimate) -> list[str]:
+    """``--cpu-offload`` and ``--cpu-offload optimizer``, where they move something not already moved."""
+    if row.offload is True:
+        return []
+    if row.offload == "optimizer":
+        if not row.params:
+            return []
+        return [
+            f"--cpu-offload (not only the optimizer) moves the {_gib(row.params)} of parameter shards to host "
+            "memory too"
+        ]
+    if not row.params + row.optimizer:
+        return []
+    moved = _gib(row.params + row.optimizer)
+    hint = f"--cpu-offload moves {moved} of shards and optimizer state to host memory"
+    if row.optimizer:
+        hint += (
+            f" (--cpu-offload optimizer: only the {_gib(row.optimizer)} of optimizer state, which the CPU then "
+            "steps; shards and gradients stay on the device)"
+        )
+    return [hint]
+
+
+def _activation_hints(row: RankEstimate, activations: int) -> list[str]:
+    """Activation checkpointing, its full mode, activation offload (CUDA) and a smaller batch, where not in use."""
+    amount = f"the {_gib(activations)} of activations"
+    hints = []
+    if row.checkpointing is None:
+        hints.append(
+            f"activation checkpointing shrinks {amount}: --checkpoint BlockClass keeps each block's input only "
+            "(--activation-checkpointing-mode full, the default), --activation-checkpointing-mode selective also "
+            "keeps matrix products and attention (more memory, less recomputation)"
+        )
+    elif row.checkpointing != "full":
+        now = "a list of operators" if row.checkpointing == "operators" else row.checkpointing
+        hints.append(
+            f"--activation-checkpointing-mode full (now {now}) keeps only the checkpointed blocks' inputs of "
+            f"{amount} and recomputes the rest"
+        )
+    if not row.activation_offload and row.device == "cuda":
+        hints.append(
+            "--activation-offload moves the units' saved activations to host memory, two units' stay on the "
+            "device" + ("" if row.units > 1 else " (it needs units: --wrap)")
+        )
+    hints.append(f"a smaller per-rank batch shrinks {amount}")
+    return hints
+
+
+def _checkpointing(options: ShardOptions) -> str | None:
+    if options.activation_checkpointing_policy is None:
+        return None
+    mode = options.activation_checkpointing_mode
+    return mode if isinstance(mode, str) else "operators"
 
 
 def _layout_comm(layouts: list[UnitLayout], reshard_root: bool) -> dict[str, int]:
@@ -378,6 +426,9 @@ def _row(m: Measured, opts: EstimateOptions) -> RankEstimate:
         host=host,
         offload=shard_opts.cpu_offload,
         activations_host=activations_host,
+        checkpointing=_checkpointing(shard_opts),
+        activation_offload=shard_opts.activation_offload,
+        device=opts.device,
         measured=m.peak is not None,
         comm=comm,
         comm_by_group={k: v for k, v in by_group.items() if v},

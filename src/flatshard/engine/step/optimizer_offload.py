@@ -29,8 +29,9 @@ tensors are CPU tensors, which every checkpoint path takes as they are (full fil
 directories the same pieces), so checkpoints are the files a run without offload writes, and each loads into
 the other. A load puts the state straight into host memory: the optimizer's ``load_state_dict`` hooks (registered
 when flatshard first sees the optimizer: the strategies' setup, a flatshard load or save, the first step) show
-torch's cast a CPU stand-in of each parameter, and any state tensor still on the device at the next step (a
-``load_state_dict`` before flatshard saw the optimizer) is moved there.
+torch's cast a CPU stand-in of each parameter (not for a dict whose groups torch refuses: it raises after the
+pre-hook, and the post-hook that puts the parameters back would never run), and any state tensor still on the
+device at the next step (a ``load_state_dict`` before flatshard saw the optimizer) is moved there.
 
 The host copy of the shard is the master copy of the weights (fp32 under mixed precision, as the shards are);
 it covers the start of the shard up to the last parameter with a gradient, so the frozen base of a fine-tuned
@@ -404,9 +405,26 @@ def _before_load(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -
     if plan is None:
         return
     plan.recover()
+    if not _groups_match(optimizer, state_dict):
+        return  # torch refuses it right after this hook, before it casts anything: nothing to stand in for
     for q in plan.params:
         plan.loading.append((q.param, q.param.data))
         q.param.data = _host_stand_in(q.param)
+
+
+def _groups_match(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> bool:
+    """torch's own check in ``load_state_dict``: as many groups, each with as many parameters. A dict it refuses
+    raises after the pre-hook, and the post-hook that puts the parameters back never runs."""
+    saved = state_dict.get("param_groups")
+    groups = optimizer.param_groups
+    return (
+        isinstance(saved, (list, tuple))
+        and len(saved) == len(groups)
+        and all(
+            isinstance(s, dict) and len(s.get("params", ())) == len(g["params"])
+            for s, g in zip(saved, groups)
+        )
+    )
 
 
 def _after_load(optimizer: torch.optim.Optimizer) -> None:
