@@ -188,7 +188,7 @@ class UnitGradients:
         (every shard's chunk is the whole shard)."""
         if not self._trainable_is_prefix or self._reduce_chunk != self._shard_len:
             return False
-        dtype = self._flat.dtype
+        dtype = self.precision.compute
         return all(grad is not None and grad.dtype == dtype for grad in grads)
 
     def _reduce_numel(self) -> int:
@@ -202,7 +202,7 @@ class UnitGradients:
         The buffer is allocated here (on the compute stream) rather than by autograd, so large CPU
         buffers get huge pages (see [Note: huge pages for CPU buffers]).
         """
-        flat = self.transport.empty_flat(self._reduce_numel(), self._flat.dtype)
+        flat = self.transport.empty_flat(self._reduce_numel(), self.precision.compute)
         if self._packs_by_cat(grads):  # one copy for the whole unit rather than one per parameter
             used = self._trainable_end
             torch.cat([grad.reshape(-1) for grad in grads], out=flat[:used])  # type: ignore[union-attr]
@@ -225,7 +225,7 @@ class UnitGradients:
         if (
             not self.has_unsynced
             and pre == 1.0
-            and reduce_dtype == self._flat.dtype
+            and reduce_dtype == self.precision.compute
             and self.transport.takes_pieces()
         ):
             return FlatPieces(self._reduce_numel(), reduce_dtype, self.device, self._pieces_to_reduce(grads))

@@ -35,6 +35,7 @@ import torch.nn as nn
 from torch.autograd.function import once_differentiable
 
 from flatshard.engine.flat_param import FlatLayout, ShardInfo, flatten_tensors, split_flat
+from flatshard.engine.float8 import Float8Weights, refresh_scales
 from flatshard.engine.gradients import UnitGradients
 from flatshard.engine.precision import UnitPrecision
 from flatshard.engine.setup.wrap import Alias
@@ -106,6 +107,12 @@ class _UnflattenViews(torch.autograd.Function):
         ctx.handle = weakref.ref(handle)
         ctx.set_materialize_grads(False)
         views = split_flat(flat, handle.layout)
+        if handle.float8 is not None:  # see [Note: float8 all-gathers]
+            return tuple(
+                handle.float8.wrap(
+                    [views[i] for i in handle._trainable], handle._trainable, handle.precision.compute
+                )
+            )
         return tuple(views[i] for i in handle._trainable)
 
     @staticmethod
@@ -138,6 +145,8 @@ class FlatParamHandle(UnitGradients):
             default: one of its own for these groups and device.
         precision: the unit's dtypes (see [Note: mixed precision]); default: the parameters' own dtype.
         offload: keep the shard and the gradient shard in CPU memory (see [Note: CPU offload]).
+        float8: the parameters are torchao ``Float8Linear`` weights gathered in float8 (see [Note: float8
+            all-gathers]); the shard keeps their dtype.
         offload_optimizer: the optimizer steps on host copies of the shard and the gradient shard, kept in
             :attr:`host` (see [Note: optimizer offload]); the shards stay on ``device``. Not with ``offload``.
         unfilled: ``id()`` of parameters nothing gave values (see [Note: unfilled tensors]); a parameter on
@@ -173,6 +182,7 @@ class FlatParamHandle(UnitGradients):
         unfilled: Collection[int] = (),
         transport: Transport | None = None,
         offload_optimizer: bool = False,
+        float8: Float8Weights | None = None,
     ) -> None:
         if not params:
             raise ValueError("FlatParamHandle needs at least one parameter.")
@@ -180,6 +190,12 @@ class FlatParamHandle(UnitGradients):
             raise ValueError(
                 "offload (shards in CPU memory) already steps the optimizer there. HINT: pass one of offload, "
                 "offload_optimizer."
+            )
+        if offload and float8 is not None:
+            raise ValueError(
+                "float8 all-gathers cast the shard on the compute device; cpu_offload=True keeps it on the host. "
+                "HINT: use cpu_offload='optimizer' (the shard stays on the device), or convert the model with "
+                "Float8LinearConfig(enable_fsdp_float8_all_gather=False)."
             )
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
@@ -247,13 +263,17 @@ class FlatParamHandle(UnitGradients):
         # but keeps a version counter of its own, so gathering again for backward does not invalidate
         # the views autograd saved in forward. See [Note: freeing gathered storage].
         # With one rank and no dtype change, the shard is the whole flat parameter and is used directly.
-        self._gather_is_shard = self.shard_world == 1 and not self.precision.mixed and not offload
+        self.float8 = float8
+        gathered = float8.dtype if float8 is not None else compute  # the gathered flat parameter's dtype
+        self._gather_is_shard = (
+            self.shard_world == 1 and not self.precision.mixed and not offload and not float8
+        )
         if self._gather_is_shard:
             self._gather: torch.Tensor = self._sharded
         else:
-            self._gather = torch.empty(self.layout.padded_numel, dtype=compute, device=device)
+            self._gather = torch.empty(self.layout.padded_numel, dtype=gathered, device=device)
             self.transport.free_gathered(self._gather)
-        self._flat: torch.Tensor = torch.empty(0, dtype=compute, device=device)
+        self._flat: torch.Tensor = torch.empty(0, dtype=gathered, device=device)
         self._flat.data = self._gather
         # Views made once and reused every step: the shard's pieces, and the gathered flat's untracked views
         # (valid across frees and gathers, which keep the storage object).
@@ -407,6 +427,8 @@ class FlatParamHandle(UnitGradients):
         ):  # _flat's storage object lives as long as the unit: [Note: freeing gathered storage]
             cached = self._flat_views = split_flat(self._flat.detach(), self.layout)
         views: list[torch.Tensor] = list(cached)
+        if self.float8 is not None:  # see [Note: float8 all-gathers]
+            views = self.float8.wrap(views, range(len(views)), self.precision.compute)
         if torch.is_grad_enabled() and self.any_requires_grad:
             tracked = _UnflattenViews.apply(self.grad_anchor, self._flat, self)
             for i, view in zip(self._trainable, tracked, strict=True):
@@ -432,28 +454,28 @@ class FlatParamHandle(UnitGradients):
         cuda = streams is not None and streams.is_cuda
         if self.shard_world == 1:  # one rank, mixed precision or offload: the copy is the whole "gather"
             if not cuda:
-                self._gather.copy_(self._sharded)
+                self._cast_shard_into(self._gather)
                 return
             assert streams is not None
             streams.side_waits_compute(streams.pre_unshard)
             with streams.on(streams.pre_unshard):  # pinned host memory with offload: see [Note: CPU offload]
-                self._gather.copy_(self._sharded, non_blocking=True)
+                self._cast_shard_into(self._gather)
             event = streams.record(streams.pre_unshard)
             self._pending_unshard = InFlight(Pending(self._gather, None), event, None)
             return
         source = self._sharded
         cast_done = None
-        if self.precision.mixed or self.offload:
-            # all-gather a copy of the shard on the compute device, in the compute dtype, made on pre_unshard
+        if self.precision.mixed or self.offload or self.float8 is not None:
+            # all-gather a copy of the shard on the compute device, in the gathered dtype, made on pre_unshard
             source = self.transport.empty_flat(self._sharded.numel(), self._gather.dtype)
             if cuda:
                 assert streams is not None
                 streams.side_waits_compute(streams.pre_unshard)
                 with streams.on(streams.pre_unshard):
-                    source.copy_(self._sharded, non_blocking=True)  # pinned host memory with offload
+                    self._cast_shard_into(source)  # pinned host memory with offload
                 cast_done = streams.record(streams.pre_unshard)
             else:
-                source.copy_(self._sharded)
+                self._cast_shard_into(source)
         if cuda:
             assert streams is not None
             streams.side_waits_compute(streams.unshard)
@@ -466,6 +488,15 @@ class FlatParamHandle(UnitGradients):
         else:
             pending = self.transport.all_gather(self._gather, source, self.where)
             self._pending_unshard = InFlight(pending, None, source)
+
+    def _cast_shard_into(self, out: torch.Tensor) -> None:
+        """The local shard in ``out``'s dtype (float8 weights with their scales), on the current stream."""
+        if self.float8 is None:
+            out.copy_(self._sharded, non_blocking=True)
+            return
+        if self.float8.scales is None:  # gathered before any root forward computed them
+            refresh_scales([self], 0)
+        self.float8.cast_into(out, self._sharded, self.shard_infos)
 
     def wait_unshard(self, streams: CommContext | None = None) -> None:
         """Block the compute stream (CUDA) or the CPU (gloo) until the gather has landed."""

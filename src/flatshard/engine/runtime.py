@@ -86,6 +86,7 @@ from torch.utils._pytree import tree_flatten
 from flatshard.engine.activation_offload import ActivationOffload
 from flatshard.engine.config import BackwardPrefetch, ShardOptions
 from flatshard.engine.exec_order import ExecOrder
+from flatshard.engine.float8 import Float8Scales
 from flatshard.engine.handle import FlatParamHandle, HandleState
 from flatshard.engine.precision import cast_floating
 from flatshard.engine.transport.interface import Transport
@@ -115,9 +116,8 @@ STATE_ATTR = "_flatshard_state"
 # (see enclosing_units); kept by the module itself, so it goes with the model.
 ROOT_ATTR = "_flatshard_root"
 
-# Gradient reductions in flight while a unit's backward runs: one overlaps the next unit's backward. It is
-# finished before the next unit's gradient is taken, so one unsharded gradient is alive at a time; each
-# more in flight would keep another alive.
+# Gradient reductions in flight while a unit's backward runs: one overlaps the next unit's backward and is finished
+# before the next unit's gradient is taken, so one unsharded gradient is alive at a time (each more keeps another).
 _MAX_PENDING_REDUCTIONS = 1
 
 
@@ -163,6 +163,7 @@ class RootContext:
         self.step = 0  # training forwards of this root so far: names collectives in a desync report
         self.filled = False  # every unit's tensors have values: see [Note: unfilled tensors]
         self.activations = ActivationOffload(self)  # see [Note: activation offload]
+        self.float8 = Float8Scales(self.handles)  # see [Note: float8 all-gathers]
 
     def unshard(self, state: UnitState | None) -> None:
         """Issue ``state``'s all-gather if it is sharded (used for its own gather and for prefetch)."""
@@ -513,6 +514,8 @@ class UnitState:
                 ctx.step += 1
                 for s in ctx.states:  # a forward without backward in between left nothing to wait for
                     s.reset_backward_watch()
+            if ctx.float8 and not in_backward and self.join is None:  # see [Note: float8 all-gathers]
+                ctx.float8.refresh(ctx.step)
         if tracked:
             ctx.order.note_pre_forward(self)
         ctx.activations.enter(self, tracked)

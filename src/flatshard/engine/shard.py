@@ -15,6 +15,12 @@ import torch.nn as nn
 
 from flatshard.engine.calls.compile import seal_enclosing_forwards
 from flatshard.engine.config import ShardingStrategy, ShardOptions
+from flatshard.engine.float8 import (
+    Float8WeightConfig,
+    Float8Weights,
+    float8_weight_config,
+    plain_float8_weights,
+)
 from flatshard.engine.handle import FlatParamHandle
 from flatshard.engine.precision import (
     UnitPrecision,
@@ -36,7 +42,7 @@ from flatshard.engine.setup.materialize import (
     materialize_unit,
 )
 from flatshard.engine.setup.process_groups import resolve_groups
-from flatshard.engine.setup.wrap import plan_units, select_unit_modules
+from flatshard.engine.setup.wrap import Alias, plan_units, select_unit_modules
 from flatshard.engine.step.whole_tensor import install_hooks, register_whole_tensor_optimizer
 from flatshard.engine.transport import comm, memory, watchdog
 from flatshard.engine.transport.env import check_environment
@@ -106,6 +112,7 @@ def shard(
     check_environment()  # a malformed FLATSHARD_* fails here, see [Note: environment switches]
     strategy, mp, param_init_fn = opts.sharding_strategy, opts.mixed_precision, opts.param_init_fn
     ignored = _expand_ignored(module, ignored_modules)
+    plain_float8_weights(module, ignored)  # see [Note: float8 all-gathers]
     shard_group, replicate_group = resolve_groups(strategy, opts.process_group, opts.shard_group_size)
     groups = [shard_group] + ([replicate_group] if replicate_group is not None else [])
     watchdog.configure(opts.desync_timeout, groups)  # this root's limit: see [Note: finding a desync]
@@ -175,8 +182,9 @@ def shard(
                 precision=UnitPrecision.resolve(None if plan.module in full_precision_set else mp, dtype),
                 unfilled=made.params,
                 transport=transport,
+                float8=Float8Weights(float8) if float8 else None,
             )
-            for dtype, members in _by_dtype(plan.params).items()
+            for (dtype, _), (members, float8) in _flat_groups(plan.params, plan.aliases).items()
         ]
         all_handles += handles
         unit = plan.module.__dict__[STATE_ATTR] = UnitState(plan.module, handles, opts)
@@ -217,8 +225,11 @@ def shard(
 # device has values: it is for planning only.
 
 
-def _by_dtype(params: list[nn.Parameter]) -> dict[torch.dtype, list[int]]:
-    """Positions of a unit's parameters per dtype, in order of first appearance: one flat parameter each.
+def _flat_groups(
+    params: list[nn.Parameter], aliases: list[list[Alias]]
+) -> dict[tuple[torch.dtype, bool], tuple[list[int], list[Float8WeightConfig]]]:
+    """Positions of a unit's parameters per dtype, and float8-gathered weights apart (with their configs), in
+    order of first appearance: one flat parameter each.
 
     [Note: a unit of several dtypes]
     A flat parameter holds one dtype, but a unit may hold several: a base model kept in bf16 under fp32
@@ -229,9 +240,13 @@ def _by_dtype(params: list[nn.Parameter]) -> dict[torch.dtype, list[int]]:
     The gathers of one unit are issued back to back, so the rate limiter allows twice as many buffers in
     flight for a root holding such units (see [Note: rate limiter]).
     """
-    groups: dict[torch.dtype, list[int]] = {}
+    groups: dict[tuple[torch.dtype, bool], tuple[list[int], list[Float8WeightConfig]]] = {}
     for i, p in enumerate(params):
-        groups.setdefault(p.dtype, []).append(i)
+        float8 = float8_weight_config(*aliases[i][0])  # see [Note: float8 all-gathers]
+        members, configs = groups.setdefault((p.dtype, float8 is not None), ([], []))
+        members.append(i)
+        if float8 is not None:
+            configs.append(float8)
     return groups
 
 

@@ -48,6 +48,7 @@ __all__ = [
     "Pending",
     "all_gather_flat",
     "all_reduce_flat",
+    "all_reduce_max",
     "as_wire",
     "check_trainable_dtype",
     "comm_stats",
@@ -429,3 +430,13 @@ def all_reduce_flat(
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
         return _issued("all_reduce", nbytes, tensor, work, async_op, label, group)
     return _issued("all_reduce", nbytes, tensor, work, async_op, label)
+
+
+def all_reduce_max(
+    tensor: torch.Tensor, group: ProcessGroup | None, where: tuple[str, str, int] | None = None
+) -> None:
+    """The elementwise maximum of ``tensor`` over ``group``, in place, waited for (small tensors: scales)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    label = _label("all_reduce", tensor, tensor.numel(), group, where)
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    _issued("all_reduce", nbytes, tensor, work, False, label, group)
