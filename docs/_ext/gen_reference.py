@@ -53,6 +53,8 @@ SECTIONS: list[tuple[str, list[Entry]]] = [
             Entry("flatshard.MixedPrecision"),
             Entry("flatshard.CPUOffload"),
             Entry("flatshard.no_sync"),
+            Entry("flatshard.set_requires_gradient_sync"),
+            Entry("flatshard.set_requires_all_reduce"),
             Entry("flatshard.unshard_params"),
             Entry("flatshard.register_forward_method"),
             Entry("flatshard.join"),

@@ -52,7 +52,13 @@ from flatshard.engine.setup.materialize import (
     materialize_modules,
 )
 from flatshard.engine.setup.wrap import Policy
-from flatshard.engine.shard import is_sharded, no_sync, shard
+from flatshard.engine.shard import (
+    is_sharded,
+    no_sync,
+    set_requires_all_reduce,
+    set_requires_gradient_sync,
+    shard,
+)
 from flatshard.engine.state.full_entries import FullEntry, full_entries
 from flatshard.engine.state.full_model import (
     check_full_model_state_dict,
@@ -170,6 +176,8 @@ __all__ = [
     "register_generate",
     "register_whole_tensor_optimizer",
     "saved_piece",
+    "set_requires_all_reduce",
+    "set_requires_gradient_sync",
     "set_state_dict",
     "shard",
     "sharded_model_state_dict",

@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from flatshard.engine.flat_param import FlatLayout, ShardInfo
@@ -47,7 +48,7 @@ from flatshard.engine.transport.interface import Transport
 from flatshard.engine.transport.pieces import FlatPieces
 from flatshard.engine.transport.streams import CommContext
 
-__all__ = ["UnitGradients", "set_grad"]
+__all__ = ["UnitGradients", "set_grad", "used_anywhere"]
 
 
 def _reduce_scatter_into(
@@ -139,6 +140,10 @@ class UnitGradients:
         # outside no_sync reduces them with its own (see [Note: no_sync]).
         self.sync_grads = True
         self._unsynced_grad: torch.Tensor | None = None
+        # hybrid sharding: reduce across replicas (False: keep the shard group's sums in _replica_partial until a
+        # backward that does; see [Note: replica reductions once per step])
+        self.all_reduce_grads = True
+        self._replica_partial: torch.Tensor | None = None
         self._grad_this_backward = False  # a reduced gradient was accumulated in this backward
         self._used: list[bool] = [False] * len(self.params)  # per param: gradient flowed into its view
 
@@ -268,6 +273,67 @@ class UnitGradients:
     def has_unsynced(self) -> bool:
         return self._unsynced_grad is not None
 
+    @property
+    def keeps_unsharded(self) -> bool:
+        """Whether a backward now keeps its gradient unsharded (``no_sync``, except under hybrid sharding)."""
+        return not self.sync_grads and not self._hybrid
+
+    @property
+    def _hybrid(self) -> bool:
+        return self.shard_world > 1 and self.replicate_world > 1
+
+    @property
+    def defers_replica_reduce(self) -> bool:
+        """Whether a backward now keeps its shard group's sum instead of all-reducing it across replicas.
+
+        [Note: replica reductions once per step]
+        Under hybrid sharding a gradient is reduce-scattered inside the shard group (a node), then all-reduced
+        across the replicas (between nodes). Accumulating micro-batches (``no_sync``, Fabric's
+        ``no_backward_sync``, the Trainer's ``accumulate_grad_batches``, or :func:`set_requires_all_reduce`)
+        needs the second only once: each micro-batch's reduce-scatter result is added to a partial sum of the
+        shard's size (reduce dtype), and the first backward that reduces across replicas adds it to its own
+        and all-reduces the total once. Gradient memory stays at the shard's size (``no_sync`` outside
+        hybrid sharding keeps a whole unsharded gradient instead), and the bytes between nodes per optimizer
+        step drop by the number of micro-batches. The gradients the parameters show are updated only by
+        that backward.
+        """
+        return self._hybrid and not (self.sync_grads and self.all_reduce_grads)
+
+    @property
+    def has_replica_partial(self) -> bool:
+        return self._replica_partial is not None
+
+    def _keep_partial(self, reduced: torch.Tensor) -> None:
+        """Add a shard group's reduced sum to the partial sum kept for the replica reduction (on the current
+        stream). ``reduced`` may be a transport buffer of this pass: the first one is copied."""
+        if self._replica_partial is None:
+            self._replica_partial = reduced.clone()
+        else:
+            self._replica_partial.add_(reduced)
+
+    def _with_partial(self, reduced: torch.Tensor) -> torch.Tensor:
+        """``reduced`` plus the kept partial sum (in place), which is then dropped."""
+        partial, self._replica_partial = self._replica_partial, None
+        if partial is not None:
+            reduced.add_(partial)
+        return reduced
+
+    def reduce_partial(self, streams: CommContext | None = None) -> None:
+        """All-reduce the partial sum alone across replicas and accumulate it: a backward that reduces across
+        replicas in which this unit took no part."""
+        partial, self._replica_partial = self._replica_partial, None
+        assert partial is not None
+        if streams is not None and streams.is_cuda:
+            streams.side_waits_compute(streams.post_backward)
+            with streams.on(streams.post_backward):
+                self.transport.all_reduce(partial, self.where).wait()
+                host = self._copy_to_host(partial, None, streams) if self.offload else None
+                event = streams.record(streams.post_backward)
+            self.finish_grad(InFlight(Pending(partial, None), event, partial, host), streams, reduced=True)
+        else:
+            self.transport.all_reduce(partial, self.where, async_op=False)
+            self.finish_grad(InFlight(Pending(partial, None), None, partial), streams, reduced=True)
+
     def reduce_grad(
         self, flat_grad: torch.Tensor | FlatPieces, streams: CommContext | None = None
     ) -> InFlight:
@@ -307,26 +373,37 @@ class UnitGradients:
             if collective is not None:
                 pending = collective(self, out, flat_grad)
                 pending.wait()  # the post-backward stream (not the CPU) waits for the collective
-            if self.shard_world > 1 and self.replicate_world > 1:  # hybrid sharding: across shard groups
-                self.transport.all_reduce(out, self.where).wait()
-            host = self._copy_to_host(out, scratch, streams) if self.offload else None
+            deferred = self.defers_replica_reduce
+            if deferred:  # see [Note: replica reductions once per step]
+                self._keep_partial(out)
+            elif self._hybrid:  # hybrid sharding: across shard groups
+                self.transport.all_reduce(self._with_partial(out), self.where).wait()
+            host = self._copy_to_host(out, scratch, streams) if self.offload and not deferred else None
             event = streams.record(streams.post_backward)
         keepalive = flat_grad if scratch is None else (flat_grad, scratch)
         return InFlight(pending, event, keepalive, host)
 
-    def finish_grad(self, inflight: InFlight, streams: CommContext | None = None) -> None:
+    def finish_grad(
+        self, inflight: InFlight, streams: CommContext | None = None, reduced: bool = False
+    ) -> None:
         """Wait for a reduction, average it and accumulate it into the parameters' gradients.
 
         With CPU offload the gradient shard is copied to host memory instead and accumulated by
         :meth:`accumulate_host_grads` once the CPU has waited for the copies (see [Note: CPU offload]).
+        ``reduced``: already reduced across replicas (:meth:`reduce_partial`).
         """
         if inflight.event is not None and streams is not None:
             streams.wait(inflight.event)  # the compute stream: the reduction (and any copy to host) is done
             grad = inflight.pending.output
+            if self.defers_replica_reduce and not reduced:  # kept by reduce_grad
+                return
         else:
             grad = inflight.pending.wait()
-            if self.shard_world > 1 and self.replicate_world > 1:  # on CUDA: issued by reduce_grad
-                self.transport.all_reduce(grad, self.where, async_op=False)
+            if self._hybrid and not reduced:  # on CUDA: issued by reduce_grad
+                if self.defers_replica_reduce:  # see [Note: replica reductions once per step]
+                    self._keep_partial(grad)
+                    return
+                self.transport.all_reduce(self._with_partial(grad), self.where, async_op=False)
         if self.offload:
             host = inflight.host if inflight.host is not None else self._copy_to_host(grad, None, streams)
             self._host_grads.append(host)
@@ -475,3 +552,40 @@ class UnitGradients:
             self._sharded_grad = None
         self._grad_this_backward = False
         self._used = [False] * len(self.params)
+
+
+def used_anywhere(handles: Sequence[Any]) -> list[list[bool]]:
+    """OR each handle's per-parameter "received a gradient" flags over the ranks sharing it.
+
+    One small all-reduce per group (usually one per backward), so ranks agree on which parameters keep
+    ``grad=None``. All ranks run the same units (their forwards all-gather), so ``handles`` agree too.
+    On CUDA it costs no host synchronization when every parameter got a gradient on this rank (the common
+    case): the flags are copied from pinned memory and the result, known to be all ones, is not read.
+    """
+    flags = [h.used_flags() for h in handles]
+    if not handles or not (dist.is_available() and dist.is_initialized()):
+        return flags
+    by_group: dict[tuple[int, int], list[int]] = {}
+    for i, h in enumerate(handles):
+        if h.shard_world > 1 or h.replicate_world > 1:
+            by_group.setdefault((id(h.shard_group), id(h.replicate_group)), []).append(i)
+    for members in by_group.values():
+        first = handles[members[0]]
+        local = [int(f) for i in members for f in flags[i]]
+        packed = torch.tensor(local, dtype=torch.int32)
+        if first.device.type == "cuda":  # queued behind the backward: no host sync to copy it over
+            packed = packed.pin_memory().to(first.device, non_blocking=True)
+        for group, size in (
+            (first.shard_group, first.shard_world),
+            (first.replicate_group, first.replicate_world),
+        ):
+            if size > 1 and packed.numel():
+                dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+        # MAX of flags that are all 1 here is all 1: the result need not be read back (a host sync on CUDA,
+        # which would keep the CPU from queueing the optimizer step). Only a rank that left a parameter
+        # without a gradient reads which ranks used it.
+        values = local if all(local) else packed.tolist()
+        for i in members:
+            n = len(flags[i])
+            flags[i], values = [bool(v) for v in values[:n]], values[n:]
+    return flags

@@ -87,6 +87,7 @@ from flatshard.engine.activation_offload import ActivationOffload
 from flatshard.engine.config import BackwardPrefetch, ShardOptions
 from flatshard.engine.exec_order import ExecOrder
 from flatshard.engine.float8 import Float8Scales
+from flatshard.engine.gradients import used_anywhere
 from flatshard.engine.handle import FlatParamHandle, HandleState
 from flatshard.engine.precision import cast_floating
 from flatshard.engine.transport.interface import Transport
@@ -206,7 +207,7 @@ class RootContext:
         for handle in self.handles:
             grads = handle.take_view_grads()  # left by a node whose post-backward did not fire (defensive)
             leftover = handle.pack_grads(grads) if grads is not None else None
-            if not handle.sync_grads:
+            if handle.keeps_unsharded:
                 if leftover is not None:
                     handle.keep_unsynced(leftover)
                 continue
@@ -215,6 +216,12 @@ class RootContext:
             if leftover is not None:
                 handle.where = (handle.where[0] if handle.where else "?", "end of backward", self.step)
                 handle.finish_grad(handle.reduce_grad(leftover, self.streams), self.streams)
+            elif (
+                handle.has_replica_partial
+                and not handle.grad_this_backward
+                and not handle.defers_replica_reduce
+            ):
+                handle.reduce_partial(self.streams)  # see [Note: replica reductions once per step]
         for handle in self.handles:  # writes into gradient shards come after their copies to the host
             if handle.host is not None:  # see [Note: host copies and the streams]
                 handle.host.before_grad_write(self.streams)
@@ -224,7 +231,7 @@ class RootContext:
             for handle in offloaded:
                 handle.accumulate_host_grads()
         reduced = [h for h in self.handles if h.grad_this_backward]
-        for handle, used in zip(reduced, _used_anywhere(reduced)):
+        for handle, used in zip(reduced, used_anywhere(reduced)):
             handle.assign_grads(used)
         self.callback_queued = False
         self.activations.end_backward()
@@ -242,43 +249,6 @@ class RootContext:
         blocks])."""
         for transport in self.transports:
             transport.release_blocks()
-
-
-def _used_anywhere(handles: list[FlatParamHandle]) -> list[list[bool]]:
-    """OR each handle's per-parameter "received a gradient" flags over the ranks sharing it.
-
-    One small all-reduce per group (usually one per backward), so ranks agree on which parameters keep
-    ``grad=None``. All ranks run the same units (their forwards all-gather), so ``handles`` agree too.
-    On CUDA it costs no host synchronization when every parameter got a gradient on this rank (the common
-    case): the flags are copied from pinned memory and the result, known to be all ones, is not read.
-    """
-    flags = [h.used_flags() for h in handles]
-    if not handles or not (dist.is_available() and dist.is_initialized()):
-        return flags
-    by_group: dict[tuple[int, int], list[int]] = {}
-    for i, h in enumerate(handles):
-        if h.shard_world > 1 or h.replicate_world > 1:
-            by_group.setdefault((id(h.shard_group), id(h.replicate_group)), []).append(i)
-    for members in by_group.values():
-        first = handles[members[0]]
-        local = [int(f) for i in members for f in flags[i]]
-        packed = torch.tensor(local, dtype=torch.int32)
-        if first.device.type == "cuda":  # queued behind the backward: no host sync to copy it over
-            packed = packed.pin_memory().to(first.device, non_blocking=True)
-        for group, size in (
-            (first.shard_group, first.shard_world),
-            (first.replicate_group, first.replicate_world),
-        ):
-            if size > 1 and packed.numel():
-                dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-        # MAX of flags that are all 1 here is all 1: the result need not be read back (a host sync on CUDA,
-        # which would keep the CPU from queueing the optimizer step). Only a rank that left a parameter
-        # without a gradient reads which ranks used it.
-        values = local if all(local) else packed.tolist()
-        for i in members:
-            n = len(flags[i])
-            flags[i], values = [bool(v) for v in values[:n]], values[n:]
-    return flags
 
 
 @dataclass(frozen=True)
@@ -721,7 +691,7 @@ class UnitState:
         while len(ctx.pending) >= _MAX_PENDING_REDUCTIONS:
             ctx.finish_oldest_reduction()
         self._grads_done.add(index)
-        if not handle.sync_grads:  # see [Note: no_sync]
+        if handle.keeps_unsharded:  # see [Note: no_sync]
             handle.keep_unsynced(handle.pack_grads(grads))
             self._reshard_if_backward_done()
             return

@@ -49,7 +49,7 @@ from flatshard.engine.transport.env import check_environment
 from flatshard.engine.transport.interface import Transport
 from flatshard.engine.unfilled import BufferMark
 
-__all__ = ["is_sharded", "no_sync", "shard"]
+__all__ = ["is_sharded", "no_sync", "set_requires_all_reduce", "set_requires_gradient_sync", "shard"]
 
 
 def _default_device(module: nn.Module, ignored: set[nn.Module], group: Any | None) -> torch.device:
@@ -405,6 +405,10 @@ def no_sync(module: nn.Module, enabled: bool = True) -> Iterator[None]:
     micro-batch is reduce-scattered and the gradient shards accumulate: 1/world of that memory. Parameters'
     ``.grad`` is not updated inside the context. Call it on every rank, around the same backward passes.
 
+    Under hybrid sharding the gradient is still reduce-scattered inside the shard group (gradient memory stays
+    the shard's) and only the reduction across replicas waits for the backward outside the context (see
+    [Note: replica reductions once per step]).
+
     Args:
         module: a module sharded with :func:`shard` (every unit at or below it stops syncing).
         enabled: ``False`` makes the context a no-op (handy in accumulation loops).
@@ -424,3 +428,52 @@ def no_sync(module: nn.Module, enabled: bool = True) -> Iterator[None]:
     finally:
         for h, value in zip(handles, previous, strict=True):
             h.sync_grads = value
+
+
+def _units_for(module: nn.Module, recurse: bool, what: str) -> list[Any]:
+    """The handles of ``module``'s own unit (``recurse=False``) or of every unit at or below it."""
+    states = unit_states(module) if recurse else [s for s in [get_unit_state(module)] if s is not None]
+    if not states:
+        raise ValueError(
+            f"{what} needs a module sharded with flatshard.shard"
+            + (" that is a unit itself (recurse=False)" if not recurse and unit_states(module) else "")
+            + f", and {type(module).__name__} is not one. HINT: pass the sharded model (or one of its units)."
+        )
+    return [h for s in states for h in s.handles]
+
+
+def set_requires_gradient_sync(
+    module: nn.Module, requires_gradient_sync: bool, *, recurse: bool = True
+) -> None:
+    """Whether the next backward passes reduce gradients (``False``: accumulate them, as inside ``no_sync``).
+
+    The persistent form of :func:`no_sync`, per unit, as FSDP2's method of that name: set it between
+    steps, on every rank alike (from a training loop, a Fabric loop or a Trainer callback). ``False`` keeps
+    each unit's gradient unsharded until a backward with ``True`` reduces the sum; under hybrid sharding the
+    gradient is still reduce-scattered inside the shard group and only the reduction across replicas waits
+    (see [Note: replica reductions once per step]).
+
+    Args:
+        module: a sharded model, or one of its units.
+        requires_gradient_sync: reduce (``True``, the default state) or accumulate.
+        recurse: every unit at or below ``module`` (default), or ``module``'s own unit only.
+    """
+    for h in _units_for(module, recurse, "set_requires_gradient_sync"):
+        h.sync_grads = bool(requires_gradient_sync)
+
+
+def set_requires_all_reduce(module: nn.Module, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+    """Under hybrid sharding, whether the next backward passes all-reduce gradients across replicas.
+
+    ``False`` reduce-scatters each backward's gradient inside the shard group only and adds it to a partial
+    sum of the shard's size; the next backward with ``True`` all-reduces the total once (see [Note: replica
+    reductions once per step]). The Trainer's ``accumulate_grad_batches`` sets it for the micro-batches. No
+    effect on units without replicas. As FSDP2's method of that name; set it on every rank alike.
+
+    Args:
+        module: a sharded model, or one of its units.
+        requires_all_reduce: all-reduce across replicas (``True``, the default state) or wait.
+        recurse: every unit at or below ``module`` (default), or ``module``'s own unit only.
+    """
+    for h in _units_for(module, recurse, "set_requires_all_reduce"):
+        h.all_reduce_grads = bool(requires_all_reduce)

@@ -141,8 +141,10 @@ class StrategyOptions:
         grad_accumulation: the Trainer's ``accumulate_grad_batches``: ``"sharded"`` (default): every
             micro-batch's gradient is reduce-scattered and the gradient shards add up (least memory).
             ``"no_sync"``: micro-batches keep unsharded gradients and only the last one reduces (one
-            reduction per step, one unsharded gradient of the whole model kept, as with DDP). Fabric has no
-            such argument: a Fabric loop chooses per backward with ``fabric.no_backward_sync(model)``.
+            reduction per step, one unsharded gradient of the whole model kept, as with DDP). Under hybrid
+            sharding both reduce-scatter inside the shard group every micro-batch and reduce across replicas
+            once, on the last one. Fabric has no such argument: a Fabric loop chooses per backward with
+            ``fabric.no_backward_sync(model)``.
         device_mesh: hybrid strategies: ``(replicas, ranks per shard group)`` or a 2-D ``DeviceMesh`` (dim 0
             replicates, dim 1 shards). Give at most one of ``shard_group_size``, ``process_group`` and this.
             Default: ``None``.

@@ -40,6 +40,7 @@ from flatshard.engine import (
     original_shapes,
     parameter_names,
     rebind_optimizer,
+    set_requires_all_reduce,
     sharded_model_state_dict,
     sharded_optim_state_dict,
 )
@@ -204,11 +205,17 @@ class FlatShardStrategy(ShellMembers, ParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning enters this around accumulating micro-batches; see ``grad_accumulation``."""
-        if self.options.grad_accumulation == "no_sync" and self.model is not None and is_sharded(self.model):
+        if self.model is None or not is_sharded(self.model):
+            yield
+        elif self.options.grad_accumulation == "no_sync":
             with no_sync(self.model):
                 yield
-        else:
-            yield
+        else:  # "sharded": under hybrid sharding the reduction across replicas waits for the last micro-batch
+            set_requires_all_reduce(self.model, False)
+            try:
+                yield
+            finally:
+                set_requires_all_reduce(self.model, True)
 
     @override
     def model_to_device(self) -> None:

@@ -277,6 +277,8 @@ def _issued(
             pg = c10d_group if c10d_group is not None else dist.group.WORLD
             label = label._replace(c10d_seq=watchdog.c10d_seq(pg))
         watchdog.note_issued(label)  # see [Note: finding a desync]
+        if label.state is not None:
+            label.state.sent[kind] += nbytes
     comm_stats[kind] += nbytes
     timing = None
     recording = comm_stats.recording

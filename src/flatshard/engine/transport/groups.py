@@ -6,7 +6,8 @@ share a group, and what they issue on it is numbered, ordered and moved together
 group holds it:
 
 - its name and ranks, and how many flat collectives this rank issued on it (the labels of [Note: finding a
-  desync]), with the signatures of the last few (the evidence a desync verdict compares);
+  desync]), with the signatures of the last few (the evidence a desync verdict compares), and the bytes this
+  rank sent into them per kind (``sent``: what crosses which group, e.g. between nodes under hybrid sharding);
 - its desync limit, set by the last ``shard()`` on it;
 - its shared-memory channel, agreed on once by its ranks (see [Note: shared-memory collectives]);
 - whether its backend refused ``reduce_scatter`` (the all-reduce fallback, warned about once per group);
@@ -26,7 +27,7 @@ A root reaches the state of its groups through them; nothing here is keyed by ``
 from __future__ import annotations
 
 import weakref
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 import torch.distributed as dist
@@ -43,6 +44,8 @@ class GroupState:
         self.name = _name(pg)  # the same on every rank; "" where torch does not say
         self.ranks: tuple[int, ...] = tuple(dist.get_process_group_ranks(pg))  # global ranks
         self.flat_seq = 0  # flat collectives this rank issued on the group
+        # bytes this rank sent into the group's flat collectives, per kind
+        self.sent: Counter[str] = Counter()
         self.issued: deque[list[Any]] | None = None  # the last ones' signatures (the watchdog's)
         self.desync_limit: float | None = None  # None: never reported (when limit_set)
         self.limit_set = False  # a shard() set desync_limit; otherwise the process-wide limit applies
