@@ -151,3 +151,54 @@ def test_per_unit_gradient_sync_and_its_errors() -> None:
     assert all(r["after"])
     assert len(r["errors"]) == 2 and all("HINT" in e for e in r["errors"]), r["errors"]
     assert "a unit itself (recurse=False)" in r["errors"][1]
+
+
+class _Branch(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class _TwoBranches(torch.nn.Module):
+    """``b`` runs only in the micro-batches asked for: its partial sum is all-reduced alone on the last one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = _Branch()
+        self.b = _Branch()
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = self.a(x)
+        return self.head(self.b(h) if use_b else h)
+
+
+def _absent_in_last(rank: int, world: int) -> float:
+    torch.manual_seed(0)
+    reference = _TwoBranches()
+    model = copy.deepcopy(reference)
+    flatshard.shard(model, sharding_strategy="HYBRID_SHARD", shard_group_size=2, auto_wrap_policy={_Branch})
+    opt, ref_opt = (
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        torch.optim.SGD(reference.parameters(), lr=0.5),
+    )
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        for m in range(MICRO):
+            x = torch.randn(PER_RANK * world, 8, generator=g)
+            use_b = m < MICRO - 1  # b takes no part in the micro-batch that syncs
+            (reference(x, use_b).square().mean() / MICRO).backward()
+            with flatshard.no_sync(model, enabled=m < MICRO - 1):
+                (model(x[rank * PER_RANK : (rank + 1) * PER_RANK], use_b).square().mean() / MICRO).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    with flatshard.unshard_params(model):
+        return max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+
+
+def test_a_unit_absent_from_the_syncing_micro_batch_still_reduces_its_partial_sum() -> None:
+    assert max(spawn(_absent_in_last, 4)) < 1e-6
