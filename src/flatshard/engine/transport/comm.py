@@ -283,7 +283,8 @@ def _issued(
     timing = None
     recording = comm_stats.recording
     if recording is not None:
-        timing = CollectiveTiming(kind, nbytes, time.perf_counter_ns())
+        issued = work.issued_ns if isinstance(work, shm.ShmWork) else time.perf_counter_ns()
+        timing = CollectiveTiming(kind, nbytes, issued)
         recording.append(timing)
     pending = Pending(output, work, timing, label)
     if not async_op and work is not None:

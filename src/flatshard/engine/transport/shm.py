@@ -278,7 +278,9 @@ class ShmWork:
     def __init__(self) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
-        # When the worker ran it (time.perf_counter_ns): what comm.timeline reports as transport time.
+        # When it was handed to the worker, and when the worker ran it (time.perf_counter_ns): what comm.timeline
+        # reports as the issue time and the transport time (the worker may start before the issuer records it).
+        self.issued_ns = time.perf_counter_ns()
         self.started_ns = 0
         self.ended_ns = 0
 
