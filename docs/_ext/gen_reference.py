@@ -55,6 +55,7 @@ SECTIONS: list[tuple[str, list[Entry]]] = [
             Entry("flatshard.no_sync"),
             Entry("flatshard.set_requires_gradient_sync"),
             Entry("flatshard.set_requires_all_reduce"),
+            Entry("flatshard.set_reshard_after_forward"),
             Entry("flatshard.unshard_params"),
             Entry("flatshard.register_forward_method"),
             Entry("flatshard.join"),

@@ -49,6 +49,8 @@ HYBRID_CONFIGS = {
     # micro-batches reduce inside the shard group only (see [Note: replica reductions once per step])
     "hybrid_deferred": {**HYBRID, "defer": True},
     "hybrid_deferred_offload_bf16": {**HYBRID, "cpu_offload": True, "mixed_precision": BF16, "defer": True},
+    # backward gathers from a copy kept over 2 of the 4 ranks (see [Note: a node-local copy for backward])
+    "node_local_copy": {"reshard_after_forward": 2, "forward_prefetch": True},
 }
 
 

@@ -1,6 +1,7 @@
 """The Trainer's ``accumulate_grad_batches`` under hybrid sharding (4 CPU ranks as 2 "nodes" of 2): the same losses
 and weights as DDP, and the gradient shards cross the replicate group (between nodes) once per optimizer step,
-for both ``grad_accumulation`` modes (see [Note: replica reductions once per step])."""
+for both ``grad_accumulation`` modes (see [Note: replica reductions once per step]); and FULL_SHARD with
+``reshard_after_forward=2`` (see [Note: a node-local copy for backward])."""
 
 from __future__ import annotations
 
@@ -46,10 +47,12 @@ class _Bytes(L.Callback):
 def _fit(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
-    for name in ("ddp", "sharded", "no_sync"):
+    for name in ("ddp", "sharded", "no_sync", "node_copy"):
         recorder, counted = LossRecorder(), _Bytes()
         strategy: Any = "ddp"
-        if name != "ddp":
+        if name == "node_copy":  # FULL_SHARD over the 4 ranks, backward gathering inside each "node" of 2
+            strategy = flatshard.FlatShardStrategy(auto_wrap_policy={Block}, reshard_after_forward=2)
+        elif name != "ddp":
             strategy = flatshard.FlatShardStrategy(
                 auto_wrap_policy={Block},
                 sharding_strategy="HYBRID_SHARD",
@@ -57,7 +60,7 @@ def _fit(rank: int, world: int) -> dict[str, Any]:
                 grad_accumulation=name,
             )
         module = LitGPT()
-        callbacks = [recorder] + ([counted] if name != "ddp" else [])
+        callbacks = [recorder] + ([counted] if name in ("sharded", "no_sync") else [])
         trainer = make_trainer(
             world, strategy, max_epochs=1, accumulate_grad_batches=MICRO, callbacks=callbacks
         )
@@ -92,3 +95,7 @@ def test_trainer_hybrid_accumulation_matches_ddp_and_crosses_nodes_once_per_step
             # one all-reduce of each unit's gradient shard per optimizer step (plus the small flag all-reduce)
             assert len(got["bytes"]) == STEPS // MICRO, (rank, name, got["bytes"])
             assert all(got["shard"] <= b < got["shard"] + 1024 for b in got["bytes"]), (rank, name, got)
+        got = r["node_copy"]
+        assert got["losses"] == pytest.approx(ddp["losses"], abs=1e-5), rank
+        for k, v in ddp["weights"].items():
+            torch.testing.assert_close(got["weights"][k], v, atol=2e-5, rtol=0, msg=f"{rank} node_copy {k}")

@@ -57,6 +57,7 @@ from flatshard.engine.shard import (
     no_sync,
     set_requires_all_reduce,
     set_requires_gradient_sync,
+    set_reshard_after_forward,
     shard,
 )
 from flatshard.engine.state.full_entries import FullEntry, full_entries
@@ -178,6 +179,7 @@ __all__ = [
     "saved_piece",
     "set_requires_all_reduce",
     "set_requires_gradient_sync",
+    "set_reshard_after_forward",
     "set_state_dict",
     "shard",
     "sharded_model_state_dict",

@@ -38,6 +38,7 @@ __all__ = [
     "OptionErrors",
     "ShardOptions",
     "ShardingStrategy",
+    "check_reshard_after_forward",
     "normalize_backward_prefetch",
     "normalize_cpu_offload",
     "normalize_mixed_precision",
@@ -361,6 +362,28 @@ def _check_reshard_root(value: object, strategy: object) -> bool:
     return flag
 
 
+def check_reshard_after_forward(value: object, strategy: object = None) -> bool | int | None:
+    """``None``, a bool, or a positive int (see ``ShardOptions.reshard_after_forward``)."""
+    if value is None or isinstance(value, bool):
+        pass
+    elif not isinstance(value, int) or value < 1:
+        raise TypeError(
+            f"reshard_after_forward must be None, a bool or a positive int (ranks per node), got "
+            f"{type(value).__name__}: {value!r}. HINT: True frees gathered units after forward, False keeps them, "
+            "k keeps a copy sharded over k ranks for backward."
+        )
+    try:
+        strategy = normalize_sharding_strategy(strategy) if strategy is not None else None  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return value  # the strategy's own error is reported
+    if strategy is ShardingStrategy.NO_SHARD and value not in (None, False):
+        raise ValueError(
+            f"reshard_after_forward={value!r} has nothing to free under NO_SHARD: parameters are never gathered. "
+            "HINT: drop it, or use FULL_SHARD / HYBRID_SHARD."
+        )
+    return value
+
+
 def _check_whole_tensor_optimizers(value: object) -> tuple[type, ...]:
     """Optimizer classes (or their import paths) that need each parameter whole."""
     items = [value] if isinstance(value, str | type) else value
@@ -505,6 +528,15 @@ class ShardOptions:
             peak of many language models, for one more all-gather of the root per step. No effect where the
             loss is computed inside the root's forward, as in a LightningModule's ``training_step`` under the
             Trainer. Refused under NO_SHARD (nothing is gathered). Default: ``False``.
+        reshard_after_forward: what a (non-root) unit keeps after its training forward: ``True`` frees its
+            gathered parameters (backward gathers them again over the shard group), ``False`` keeps them until
+            its backward, an int ``k`` keeps a copy sharded over groups of ``k`` consecutive ranks of the shard
+            group (a node: ``k`` = ranks per node), from which backward gathers inside the group alone (FSDP2's
+            ``reshard_after_forward=<int>``): between forward and backward each unit holds ``1/k`` of its
+            gathered size. ``k`` must divide the shard group size (``k`` equal to it is ``True``, ``1`` is
+            ``False``). ``None`` (default) follows ``sharding_strategy``: ``True`` for FULL_SHARD and
+            HYBRID_SHARD, ``False`` for SHARD_GRAD_OP and HYBRID_SHARD_ZERO2. The root unit follows
+            ``reshard_root_after_forward``. Change it between steps with ``flatshard.set_reshard_after_forward``.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding. Default: ``False``.
         param_init_fn: for a module built on the meta device: called with each module that holds meta
             parameters or buffers, after their storage is allocated on ``device``; it must initialize them in
@@ -543,6 +575,7 @@ class ShardOptions:
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
     forward_prefetch: bool = False
     reshard_root_after_forward: bool = False
+    reshard_after_forward: bool | int | None = None
     sync_module_states: bool = False
     param_init_fn: Callable[[nn.Module], None] | None = None
     process_group: Any = None
@@ -572,6 +605,9 @@ class ShardOptions:
             "forward_prefetch": errors.check(_check_bool, "forward_prefetch", self.forward_prefetch),
             "reshard_root_after_forward": errors.check(
                 _check_reshard_root, self.reshard_root_after_forward, self.sharding_strategy
+            ),
+            "reshard_after_forward": errors.check(
+                check_reshard_after_forward, self.reshard_after_forward, self.sharding_strategy
             ),
             "sync_module_states": errors.check(_check_bool, "sync_module_states", self.sync_module_states),
             "param_init_fn": errors.check(_check_param_init_fn, self.param_init_fn),

@@ -282,6 +282,9 @@ class FlatParamHandle(UnitGradients):
         # See [Note: gradients of a unit]: the unit's post-backward hook goes on this scalar leaf.
         self.grad_anchor = torch.zeros((), device=device, requires_grad=True)
         self._pending_unshard: InFlight | None = None  # a gather issued and not yet waited for
+        # reshard_after_forward=k: this rank's 1/k of the gathered flat parameter and the group of k it is
+        # gathered over in backward (see [Note: a node-local copy for backward])
+        self._local: tuple[torch.Tensor, Any] | None = None
         self._gather_label: Label | None = None  # the last all-gather (CUDA): see the limiter
         # (unit path, phase, step) of the next collectives, set by the runtime: see [Note: finding a desync]
         self.where: tuple[str, str, int] | None = None
@@ -438,9 +441,15 @@ class FlatParamHandle(UnitGradients):
                 module._parameters[name] = view  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ gather / free
-    def unshard(self, streams: CommContext | None = None, limiter: AllGatherLimiter | None = None) -> None:
+    def unshard(
+        self,
+        streams: CommContext | None = None,
+        limiter: AllGatherLimiter | None = None,
+        from_local: bool = False,
+    ) -> None:
         """Start gathering the flat parameter (asynchronously); :meth:`wait_unshard` makes it usable.
 
+        ``from_local`` (in backward): gather from the node-local copy forward kept, if there is one.
         See [Note: stream overlap] for which stream allocates and which waits.
         """
         if self.state is HandleState.UNSHARDED:
@@ -452,6 +461,10 @@ class FlatParamHandle(UnitGradients):
             limiter.before_all_gather()  # see [Note: rate limiter]
         self.transport.alloc_gathered(self._gather)  # on the compute stream
         cuda = streams is not None and streams.is_cuda
+        local, self._local = self._local, None
+        if local is not None and from_local:  # see [Note: a node-local copy for backward]
+            self._gather_over(local[0], local[1], streams, None)
+            return
         if self.shard_world == 1:  # one rank, mixed precision or offload: the copy is the whole "gather"
             if not cuda:
                 self._cast_shard_into(self._gather)
@@ -476,17 +489,20 @@ class FlatParamHandle(UnitGradients):
                 cast_done = streams.record(streams.pre_unshard)
             else:
                 self._cast_shard_into(source)
-        if cuda:
-            assert streams is not None
+        self._gather_over(source, self.shard_group, streams, cast_done)
+
+    def _gather_over(self, source: torch.Tensor, group: Any, streams: CommContext | None, after: Any) -> None:
+        """All-gather ``source`` over ``group`` into the gathered flat parameter, after the event ``after``."""
+        if streams is not None and streams.is_cuda:
             streams.side_waits_compute(streams.unshard)
-            streams.wait(cast_done, streams.unshard)
+            streams.wait(after, streams.unshard)
             with streams.on(streams.unshard):
-                pending = self.transport.all_gather(self._gather, source, self.where)
+                pending = self.transport.all_gather(self._gather, source, self.where, group=group)
                 pending.wait()  # the unshard stream (not the CPU) waits for the collective
                 self._pending_unshard = InFlight(pending, streams.record(streams.unshard), source)
                 self._gather_label = pending.label  # what the limiter's wait on this buffer waits for
         else:
-            pending = self.transport.all_gather(self._gather, source, self.where)
+            pending = self.transport.all_gather(self._gather, source, self.where, group=group)
             self._pending_unshard = InFlight(pending, None, source)
 
     def _cast_shard_into(self, out: torch.Tensor) -> None:
@@ -508,17 +524,44 @@ class FlatParamHandle(UnitGradients):
         else:
             inflight.pending.wait()
 
-    def reshard(self, streams: CommContext | None = None, limiter: AllGatherLimiter | None = None) -> None:
-        """Free the gathered flat parameter and restore the original Parameters on the modules."""
+    def reshard(
+        self,
+        streams: CommContext | None = None,
+        limiter: AllGatherLimiter | None = None,
+        keep_local: Any = None,
+    ) -> None:
+        """Free the gathered flat parameter and restore the original Parameters on the modules.
+
+        ``keep_local`` (a group of ``k`` ranks of the shard group, after a training forward): first keep this
+        rank's ``1/k`` of the gathered flat parameter, for backward to gather over that group alone.
+
+        [Note: a node-local copy for backward]
+        Under FULL_SHARD over several nodes a unit is gathered from every rank twice per step. With
+        ``reshard_after_forward=k`` (ranks per node) forward keeps, instead of nothing, the ``1/k`` slice of the
+        gathered flat parameter that this rank's position in its group of ``k`` consecutive ranks names (FSDP2's
+        ``reshard_after_forward=<int>``, ZeRO++'s hpZ): backward all-gathers those slices over the group of
+        ``k``, inside the node, and frees the copy. The copy is in the gathered dtype (the compute or float8
+        dtype), so backward needs no cast. A copy no backward used is dropped at the root's next training
+        forward and at the end of a backward.
+        """
         if self.state is HandleState.SHARDED:
             return
         self.wait_unshard(streams)  # never free a buffer a collective may still write (unused prefetch)
+        if keep_local is not None and not self._gather_is_shard:
+            k = dist.get_world_size(keep_local)
+            n = self.layout.padded_numel // k
+            at = self.shard_rank % k * n
+            self._local = (self._gather[at : at + n].clone(), keep_local)
         self.use_sharded_views()
         if not self._gather_is_shard:
             self.transport.free_gathered(self._gather)
             if limiter is not None and streams is not None and self.shard_world > 1:
                 limiter.record_free(streams.record, self._gather_label)
         self.state = HandleState.SHARDED
+
+    def drop_local(self) -> None:
+        """Free a node-local copy forward kept that no backward used (see [Note: a node-local copy for backward])."""
+        self._local = None
 
     # ------------------------------------------------------------------ inspection
     @property

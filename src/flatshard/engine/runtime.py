@@ -176,7 +176,7 @@ class RootContext:
             self.root.join.announce(self, state)  # see [Note: joining uneven evaluation loops]
         for handle in state.handles:
             handle.where = (state.path, "backward" if self.callback_queued else "forward", self.step)
-            handle.unshard(self.streams, self.limiter)
+            handle.unshard(self.streams, self.limiter, from_local=self.callback_queued)
 
     def prefetch_backward(self, state: UnitState | None) -> None:
         """Gather the unit whose backward comes next, unless its backward already began in this pass.
@@ -233,6 +233,8 @@ class RootContext:
         reduced = [h for h in self.handles if h.grad_this_backward]
         for handle, used in zip(reduced, used_anywhere(reduced)):
             handle.assign_grads(used)
+        for handle in self.handles:  # a unit whose backward did not run leaves its copy
+            handle.drop_local()
         self.callback_queued = False
         self.activations.end_backward()
         for state in self.states:
@@ -376,6 +378,10 @@ class UnitState:
         )  # inside flatshard.unshard_params: see [Note: forward inside unshard_params]
         self.call = _PLAIN_FORWARD  # how the current call through this unit's hooks runs (forward_call)
         self.deferred_reshard = False  # kept gathered by a registered method call (ForwardCall.keep_gathered)
+        # after a training forward (non-root): True frees, False keeps, k keeps a copy over node_group (set by
+        # shard() and set_reshard_after_forward; see [Note: a node-local copy for backward])
+        self.reshard_after_forward: bool | int = options.sharding_strategy.reshard_after_forward
+        self.node_group: Any = None
         self.join: Any = None  # a root inside flatshard.join: its join.JoinState
         self.path = type(module).__name__  # the module's path under the module given to shard() (set there)
         self.recompute_inside = False  # a checkpointed module's parameters belong to this unit
@@ -412,11 +418,12 @@ class UnitState:
     def all_require_grad(self) -> bool:
         return all(h.all_require_grad for h in self.handles)
 
-    def reshard(self) -> None:
-        """Free the unit's gathered parameters (a no-op for those already sharded)."""
+    def reshard(self, keep_local: Any = None) -> None:
+        """Free the unit's gathered parameters (a no-op for those already sharded); ``keep_local``: see
+        [Note: a node-local copy for backward]."""
         ctx = self.ctx
         for handle in self.handles:
-            handle.reshard(ctx.streams if ctx else None, ctx.limiter if ctx else None)
+            handle.reshard(ctx.streams if ctx else None, ctx.limiter if ctx else None, keep_local)
 
     def wait_and_use_views(self) -> None:
         """Wait for the unit's gathers and put views of the gathered parameters on its modules."""
@@ -484,6 +491,8 @@ class UnitState:
                 ctx.step += 1
                 for s in ctx.states:  # a forward without backward in between left nothing to wait for
                     s.reset_backward_watch()
+                for h in ctx.handles:  # nor a node-local copy to gather from
+                    h.drop_local()
             if ctx.float8 and not in_backward and self.join is None:  # see [Note: float8 all-gathers]
                 ctx.float8.refresh(ctx.step)
         if tracked:
@@ -585,7 +594,7 @@ class UnitState:
             if self.is_root:  # its parameters are needed first thing in backward, unless told otherwise
                 keep = not self.options.reshard_root_after_forward
             else:
-                keep = not self.strategy.reshard_after_forward
+                keep = self.reshard_after_forward is False
         else:
             keep = False
         if not keep and call.keep_gathered and not self.is_root and self.handles:
@@ -593,7 +602,7 @@ class UnitState:
                 True  # until the method returns: see [Note: methods other than forward]
             )
         if not keep:
-            self.reshard()
+            self.reshard(self.node_group if self._tracked and grad_outputs and not self.is_root else None)
             if not self.is_root and (not self._tracked or ctx.order.next_forward(self) is None):
                 ctx.release_blocks()  # no gather follows in this forward
         if self.is_root and self._tracked:

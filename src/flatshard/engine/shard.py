@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from flatshard.engine.calls.compile import seal_enclosing_forwards
-from flatshard.engine.config import ShardingStrategy, ShardOptions
+from flatshard.engine.config import ShardingStrategy, ShardOptions, check_reshard_after_forward
 from flatshard.engine.float8 import (
     Float8WeightConfig,
     Float8Weights,
@@ -41,7 +41,7 @@ from flatshard.engine.setup.materialize import (
     materialize_modules,
     materialize_unit,
 )
-from flatshard.engine.setup.process_groups import resolve_groups
+from flatshard.engine.setup.process_groups import node_local_group, resolve_groups
 from flatshard.engine.setup.wrap import Alias, plan_units, select_unit_modules
 from flatshard.engine.step.whole_tensor import install_hooks, register_whole_tensor_optimizer
 from flatshard.engine.transport import comm, memory, watchdog
@@ -49,7 +49,14 @@ from flatshard.engine.transport.env import check_environment
 from flatshard.engine.transport.interface import Transport
 from flatshard.engine.unfilled import BufferMark
 
-__all__ = ["is_sharded", "no_sync", "set_requires_all_reduce", "set_requires_gradient_sync", "shard"]
+__all__ = [
+    "is_sharded",
+    "no_sync",
+    "set_requires_all_reduce",
+    "set_requires_gradient_sync",
+    "set_reshard_after_forward",
+    "shard",
+]
 
 
 def _default_device(module: nn.Module, ignored: set[nn.Module], group: Any | None) -> torch.device:
@@ -189,6 +196,8 @@ def shard(
         all_handles += handles
         unit = plan.module.__dict__[STATE_ATTR] = UnitState(plan.module, handles, opts)
         unit.path = module_names.get(plan.module, unit.path)
+        if opts.reshard_after_forward is not None:
+            _set_reshard(unit, opts.reshard_after_forward)
     if deferred:  # modules with meta buffers only
         materialize_modules(
             [m for m in module.modules() if m not in ignored],
@@ -477,3 +486,44 @@ def set_requires_all_reduce(module: nn.Module, requires_all_reduce: bool, *, rec
     """
     for h in _units_for(module, recurse, "set_requires_all_reduce"):
         h.all_reduce_grads = bool(requires_all_reduce)
+
+
+def _set_reshard(unit: UnitState, value: bool | int | None) -> None:
+    """Resolve ``reshard_after_forward`` for one unit against its shard group (see [Note: a node-local copy
+    for backward]); an int needs the groups of ``k`` ranks, made here (collective: every rank alike)."""
+    value = check_reshard_after_forward(value)
+    if value is None:
+        value = unit.strategy.reshard_after_forward
+    world = max((h.shard_world for h in unit.handles), default=1)
+    group = None
+    if not isinstance(value, bool):
+        if world % value:
+            raise ValueError(
+                f"reshard_after_forward={value} does not divide the shard group size {world} of {unit.path}. "
+                f"HINT: use a divisor of {world} (the ranks per node), True or False."
+            )
+        if value in (1, world):  # keep everything / keep nothing
+            value = value == world
+        else:
+            group = node_local_group(unit.handles[0].shard_group, value)
+    unit.reshard_after_forward, unit.node_group = value, group
+
+
+def set_reshard_after_forward(module: nn.Module, value: bool | int | None, *, recurse: bool = True) -> None:
+    """What units keep after their training forward from now on: ``True`` nothing, ``False`` their gathered
+    parameters, an int ``k`` a copy sharded over ``k`` ranks that backward gathers inside that group; ``None``
+    what the sharding strategy does. As ``shard(reshard_after_forward=...)`` and FSDP2's method of that name.
+
+    Call it between steps, on every rank alike (an int makes process groups the first time). The root unit
+    keeps following ``reshard_root_after_forward``.
+
+    Args:
+        module: a sharded model, or one of its units.
+        value: ``True``, ``False``, an int dividing the shard group size, or ``None``.
+        recurse: every unit at or below ``module`` (default), or ``module``'s own unit only.
+    """
+    states = unit_states(module) if recurse else [s for s in [get_unit_state(module)] if s is not None]
+    if not states:
+        _units_for(module, recurse, "set_reshard_after_forward")  # raises with the hint
+    for state in states:
+        _set_reshard(state, value)

@@ -87,7 +87,7 @@ def unit_layouts(module: nn.Module) -> list[UnitLayout]:
                 UnitLayout(
                     path=state.path,
                     is_root=state.module is module,
-                    reshard_after_forward=state.strategy.reshard_after_forward,
+                    reshard_after_forward=state.reshard_after_forward is not False,
                     numel=h.layout.total_numel,
                     padded_numel=h.layout.padded_numel,
                     shard_numel=h.layout.shard_numel,

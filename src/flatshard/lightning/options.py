@@ -280,6 +280,7 @@ class OptionArguments(TypedDict, total=False):
     backward_prefetch: BackwardPrefetch | str | None
     forward_prefetch: bool
     reshard_root_after_forward: bool
+    reshard_after_forward: bool | int | None
     state_dict_type: Literal["full", "sharded"]
     sync_module_states: bool
     param_init_fn: Callable[[Module], None] | None

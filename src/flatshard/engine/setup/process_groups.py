@@ -183,3 +183,25 @@ def hybrid_groups(k: int) -> tuple[Any, Any]:
         made[k] = (shards, replicas)
     shards, replicas = made[k]
     return shards[rank // k], replicas[rank % k]
+
+
+def node_local_group(shard_group: Any, k: int) -> Any:
+    """This rank's group of ``k`` consecutive ranks of its shard group (see ``reshard_after_forward``), cached by
+    the default group. Collective over every rank: each one's shard group is exchanged, and every such group of
+    every shard group is created in the same order on all ranks."""
+    world_ranks = tuple(dist.get_process_group_ranks(shard_group))
+    if k < 1 or len(world_ranks) % k != 0:
+        raise ValueError(
+            f"reshard_after_forward={k} does not divide the shard group size {len(world_ranks)}. HINT: use a "
+            f"divisor of {len(world_ranks)} (the ranks per node), True or False."
+        )
+    made = state_of(None).node_local  # kept by the default group, and dropped with it
+    key = (k, world_ranks)
+    if key not in made:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, world_ranks)
+        blocks = sorted({g[i : i + k] for g in set(everyone) for i in range(0, len(g), k)})
+        created = {block: dist.new_group(list(block)) for block in blocks}  # the same order on every rank
+        rank = dist.get_rank()
+        made[key] = created[next(b for b in blocks if rank in b and set(b) <= set(world_ranks))]
+    return made[key]

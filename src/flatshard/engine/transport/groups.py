@@ -58,6 +58,8 @@ class GroupState:
         self.hybrid: dict[
             int, tuple[list[ProcessGroup], list[ProcessGroup]]
         ] = {}  # shard group size -> groups
+        # reshard_after_forward=k: (k, the shard group's global ranks) -> this rank's group of k of them
+        self.node_local: dict[tuple[int, tuple[int, ...]], ProcessGroup] = {}
         self.monitor: Any | None = None  # the watchdog.Monitor (desync detector) of this process
         self.processes: list[Any] = []  # every rank's processes.ProcessId at the last save's opening
         self._group = weakref.ref(pg)

@@ -77,9 +77,11 @@ class Transport:
             comm.connect(group)
 
     # ------------------------------------------------------------------ collectives
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, where: Any = None) -> comm.Pending:
-        """Every rank's ``shard`` into ``output`` over the shard group, asynchronously."""
-        return comm.all_gather_flat(output, shard, self.shard_group, where=where)
+    def all_gather(
+        self, output: torch.Tensor, shard: torch.Tensor, where: Any = None, group: Any = None
+    ) -> comm.Pending:
+        """Every rank's ``shard`` into ``output`` over the shard group (or ``group``, part of it), asynchronously."""
+        return comm.all_gather_flat(output, shard, self.shard_group if group is None else group, where=where)
 
     def reduce_scatter(
         self, output: torch.Tensor, full: torch.Tensor | FlatPieces, where: Any = None
