@@ -45,6 +45,18 @@ REGISTRY: dict[str, Contender] = {
         ),
         Contender("flatshard_compiled", "flatshard", _FS + "each Block compiled in place (compile_units)"),
         Contender(
+            "flatshard_float8",
+            "flatshard",
+            _FS + "torchao float8 (tensorwise, float8 all-gather)",
+            {"float8": True},
+        ),
+        Contender(
+            "flatshard_compiled_float8",
+            "flatshard",
+            _FS + "torchao float8 (tensorwise, float8 all-gather), each Block compiled in place",
+            {"float8": True},
+        ),
+        Contender(
             "flatshard_checkpointed",
             "flatshard",
             _FS + "activation_checkpointing_policy={Block}",
@@ -93,6 +105,24 @@ REGISTRY: dict[str, Contender] = {
             "fsdp2", "fsdp2", "torch FSDP2 fully_shard per Block, then the root (reshard_after_forward=True)"
         ),
         Contender(
+            "fsdp2_compiled",
+            "fsdp2",
+            "torch FSDP2 fully_shard per Block, then the root; each Block compiled in place (block.compile())",
+        ),
+        Contender(
+            "fsdp2_float8",
+            "fsdp2",
+            "torch FSDP2 fully_shard per Block, then the root; torchao float8 (tensorwise, float8 all-gather)",
+            {"float8": True},
+        ),
+        Contender(
+            "fsdp2_compiled_float8",
+            "fsdp2",
+            "torch FSDP2 fully_shard per Block, then the root; torchao float8 (tensorwise, float8 all-gather), "
+            "each Block compiled in place",
+            {"float8": True},
+        ),
+        Contender(
             "fsdp2_grad_op",
             "fsdp2",
             "torch FSDP2 fully_shard per Block, then the root, reshard_after_forward=False",
@@ -137,10 +167,67 @@ def _mixed(cfg: dict[str, Any]) -> tuple[torch.dtype, torch.dtype] | None:
     return torch.bfloat16, getattr(torch, cfg.get("reduce_dtype", "float32"))
 
 
+def compiled(name: str) -> bool:
+    """Whether the contender compiles each ``Block`` in place after wrapping."""
+    return "_compiled" in name
+
+
+def float8(name: str, cfg: dict[str, Any]) -> bool:
+    """Whether the contender's model is converted to torchao float8 training (its name, or ``--float8``)."""
+    return bool(get(name).options.get("float8") or cfg.get("float8"))
+
+
+def float8_filter(module: torch.nn.Module, fqn: str) -> bool:
+    """The linears torchao converts, the same for every contender: ``nn.Linear`` inside a ``Block`` whose
+    dimensions are multiples of 16 (float8 matmuls need them); the output head (``lm_head``, tied to the
+    embedding) stays in high precision, as torchao recommends."""
+    return (
+        isinstance(module, torch.nn.Linear)
+        and fqn.startswith("blocks.")
+        and module.in_features % 16 == 0
+        and module.out_features % 16 == 0
+    )
+
+
+def convert_float8(model: torch.nn.Module, family: str) -> int:
+    """torchao's tensorwise float8 recipe on :func:`float8_filter`'s linears, before wrapping; returns how many.
+    flatshard and FSDP2 gather the weights in float8 (``enable_fsdp_float8_all_gather=True``). FSDP1 and DDP run
+    the same float8 matmuls with that switch off: torchao's float8 all-gather is an FSDP2 extension (FSDP1's flat
+    parameters have no per-weight cast), so FSDP1 gathers the weights in high precision, and DDP has nothing to
+    gather."""
+    if family not in ("flatshard", "fsdp2", "fsdp1", "ddp"):
+        raise ValueError(f"float8: the {family} contenders do not train. HINT: float8 is a train option")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=family in ("flatshard", "fsdp2"))
+    convert_to_float8_training(model, module_filter_fn=float8_filter, config=config)
+    converted = sum(isinstance(m, Float8Linear) for m in model.modules())
+    if not converted:
+        raise ValueError(
+            "float8: no Block linear has dimensions that are multiples of 16. HINT: choose --d-model a multiple "
+            "of 16"
+        )
+    return converted
+
+
+def after_optimizer_step(name: str, model: torch.nn.Module, cfg: dict[str, Any]) -> None:
+    """What the contender's users run after ``optimizer.step()``: FSDP2 with float8 weights computes the next
+    step's scales there, in one all-reduce (torchao's ``precompute_float8_dynamic_scale_for_fsdp``); flatshard
+    does the same at the start of the next forward."""
+    if float8(name, cfg) and get(name).family == "fsdp2":
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)
+
+
 def wrap(name: str, model: torch.nn.Module, cfg: dict[str, Any], device: torch.device) -> torch.nn.Module:
-    """Shard or replicate ``model`` (built on every rank from the same seed) as the contender ``name``."""
+    """Shard or replicate ``model`` (built on every rank from the same seed) as the contender ``name``; a float8
+    contender's model is converted first (:func:`convert_float8`)."""
     c = get(name)
     mixed = _mixed(cfg)
+    if float8(name, cfg):
+        convert_float8(model, c.family)
     if c.family == "flatshard":
         import flatshard
 
@@ -164,7 +251,7 @@ def wrap(name: str, model: torch.nn.Module, cfg: dict[str, Any], device: torch.d
         if mixed:
             opts["mixed_precision"] = flatshard.MixedPrecision(param_dtype=mixed[0], reduce_dtype=mixed[1])
         flatshard.shard(model, auto_wrap_policy={Block}, **opts)
-        if name == "flatshard_compiled":  # what FlatShardStrategy(compile=...) does after sharding
+        if compiled(name):  # what FlatShardStrategy(compile=...) does after sharding
             from flatshard.engine import compile_units
 
             compile_units(model, cfg["compile_kwargs"])
@@ -197,9 +284,16 @@ def wrap(name: str, model: torch.nn.Module, cfg: dict[str, Any], device: torch.d
         }
         if mixed:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed[0], reduce_dtype=mixed[1])
-        for block in model.blocks:
+        blocks = [m for m in model.modules() if isinstance(m, Block)]
+        for block in blocks:
             fully_shard(block, **kwargs)
-        return fully_shard(model, **kwargs)
+        fully_shard(model, **kwargs)
+        if compiled(
+            name
+        ):  # as flatshard_compiled: each Block in place after sharding; FSDP2's hooks stay eager
+            for block in blocks:
+                block.compile(**cfg["compile_kwargs"])
+        return model
     if c.family == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 

@@ -18,15 +18,22 @@ time budget (``--budget-s``, default 570 s, so the whole check ends within 10 mi
    GPU that is a single-rank comparison (compute and memory overheads, no communication), recorded as such;
    with tokens/s, MFU (torchtitan's FLOPs-per-token formula against the card's dense bf16 peak) and the
    allocator's peak per phase of one extra step.
-5. ``step_time_gloo``: the same contenders as two processes on GPU 0 over gloo (a smaller GPT: gloo moves
-   CUDA tensors through host memory), so the streams, events and limiter run with real communication on a
-   single GPU. A peer that cannot run over gloo with CUDA tensors is recorded as failed, as a warning.
+5. ``float8_compile``: ``python -m benchmarks train --preset cuda-1b --world-size 1`` with flatshard and FSDP2
+   eager, each ``Block`` compiled, and compiled with torchao's float8 training (tensorwise, float8 all-gathers):
+   tokens/s, MFU (float8 rows against the same bf16 peak) and peak allocated memory, the float8 rows' losses
+   checked against each other. Without torchao only the eager and compiled rows run (a warning says so).
+6. ``step_time_gloo``: the same contenders as ``step_time`` as two processes on GPU 0 over gloo (a smaller GPT:
+   gloo moves CUDA tensors through host memory), so the streams, events and limiter run with real
+   communication on a single GPU. A peer that cannot run over gloo with CUDA tensors is recorded as failed, as a
+   warning.
 
 The summary, ``OUT_DIR/gpu_check.json``, has each part's status (``passed`` / ``failed`` / ``skipped`` with a
 reason), duration and numbers, plus the versions (Python, torch, CUDA, cuDNN, NCCL, driver, GPUs, Lightning,
 flatshard's git commit). Exit status 1 if a part failed, else 0.
 
-Without CUDA it prints so, writes the JSON with the status ``skipped: no CUDA`` and exits 0.
+Without CUDA it prints so, writes the JSON with the status ``skipped: no CUDA`` and exits 0. ``--rehearse-cpu``
+instead runs the benchmark parts (``step_time``, ``float8_compile``) on the CPU with the ``tiny`` preset, so that
+their commands and the reading of their results are tried before a GPU is at hand; the numbers mean nothing.
 
 Every part runs flatshard from this tree (``src/`` is put first on the subprocesses' ``PYTHONPATH``) with the
 torch already installed: nothing is installed or upgraded. A torch older than the tested floor in
@@ -59,10 +66,35 @@ if str(REPO) not in sys.path:  # run as a script: the suite's package is beside 
 
 from benchmarks.report import git_commit  # noqa: E402
 
-PARTS = ("parity", "sanitizer", "pytest_gpu", "step_time", "step_time_gloo")
+PARTS = ("parity", "sanitizer", "pytest_gpu", "step_time", "float8_compile", "step_time_gloo")
+BENCH_PARTS = ("step_time", "float8_compile", "step_time_gloo")
 # The longest each part may take (seconds), and the least time worth starting it with.
-CAPS = {"parity": 180, "sanitizer": 240, "pytest_gpu": 330, "step_time": 300, "step_time_gloo": 200}
-MIN_START = {"parity": 30, "sanitizer": 30, "pytest_gpu": 60, "step_time": 90, "step_time_gloo": 60}
+CAPS = {
+    "parity": 180,
+    "sanitizer": 240,
+    "pytest_gpu": 330,
+    "step_time": 300,
+    "float8_compile": 360,
+    "step_time_gloo": 200,
+}
+MIN_START = {
+    "parity": 30,
+    "sanitizer": 30,
+    "pytest_gpu": 60,
+    "step_time": 90,
+    "float8_compile": 150,
+    "step_time_gloo": 60,
+}
+# float8_compile: eager, compiled, compiled + float8; flatshard beside FSDP2 (+ torchao), one rank.
+COMPILE_CONTENDERS = ("flatshard", "fsdp2", "flatshard_compiled", "fsdp2_compiled")
+FLOAT8_CONTENDERS = ("flatshard_compiled_float8", "fsdp2_compiled_float8")
+RESULTS = {
+    "step_time": "step_time_cuda-1b.json",
+    "float8_compile": "float8_compile_cuda-1b.json",
+    "step_time_gloo": "step_time_gloo_2ranks_1gpu.json",
+}
+# --rehearse-cpu: the benchmark parts on the CPU, the tiny GPT (its numbers mean nothing)
+CPU_REHEARSAL = ["--preset", "tiny", "--device", "cpu"]
 # step_time_gloo: two processes on GPU 0 over gloo (the stream protocol with real communication on one GPU),
 # a smaller GPT than cuda-1b since gloo moves CUDA tensors through host memory.
 GLOO_MODEL = ["--d-model", "1024", "--n-layer", "8", "--world-size", "2", "--backend", "gloo"]
@@ -316,19 +348,44 @@ def part_pytest(out: Path, timeout: float) -> dict[str, Any]:
     return {**run, "status": "passed", "reason": None}
 
 
-def part_step_time(out: Path, timeout: float, args: argparse.Namespace, gloo: bool = False) -> dict[str, Any]:
-    """``python -m benchmarks train --preset cuda-1b``: one rank per GPU over NCCL, or (``gloo``) two on GPU 0."""
-    name = "step_time_gloo" if gloo else "step_time"
+def bench_command(name: str, args: argparse.Namespace, result: Path, timeout: float) -> tuple[list[str], str]:
+    """The ``python -m benchmarks train`` command of a benchmark part, and what its contenders are."""
+    model = ["--preset", "cuda-1b", *(GLOO_MODEL if name == "step_time_gloo" else [])]
+    contenders = args.bench_contenders
+    if name == "float8_compile":
+        float8 = importlib.util.find_spec("torchao") is not None
+        contenders = ",".join(COMPILE_CONTENDERS + (FLOAT8_CONTENDERS if float8 else ()))
+        model += ["--world-size", "1"]
+    if args.rehearse_cpu:
+        model = CPU_REHEARSAL + (["--world-size", "1"] if name == "float8_compile" else [])
+    count = len(contenders.split(","))
+    # a compiled contender compiles in its first step: each may take a third of the part's time
+    per_contender = max(120, int(timeout / 3)) if name == "float8_compile" else max(60, int(timeout / count))
+    cmd = [sys.executable, "-m", "benchmarks", "train", *model]
+    cmd += ["--steps", str(args.bench_steps), "--warmup", str(args.bench_warmup)]
+    cmd += ["--contenders", contenders, "--out", str(result), "--timeout", str(per_contender)]
+    return cmd, contenders
+
+
+def part_step_time(
+    out: Path, timeout: float, args: argparse.Namespace, name: str = "step_time"
+) -> dict[str, Any]:
+    """``python -m benchmarks train --preset cuda-1b``: one rank per GPU over NCCL (``step_time``), two on GPU 0
+    over gloo (``step_time_gloo``), or the eager / compiled / float8 rows on one rank (``float8_compile``)."""
     gpus = torch.cuda.device_count()
     log = out / f"{name}.log"
-    result = out / ("step_time_gloo_2ranks_1gpu.json" if gloo else "step_time_cuda-1b.json")
-    per_contender = max(60, int(timeout / max(1, len(args.bench_contenders.split(",")))))
-    cmd = [sys.executable, "-m", "benchmarks", "train", "--preset", "cuda-1b", *(GLOO_MODEL if gloo else [])]
-    cmd += ["--steps", str(args.bench_steps), "--warmup", str(args.bench_warmup)]
-    cmd += ["--contenders", args.bench_contenders, "--out", str(result), "--timeout", str(per_contender)]
+    result = out / (f"{name}_tiny_cpu-rehearsal.json" if args.rehearse_cpu else RESULTS[name])
+    cmd, contenders = bench_command(name, args, result, timeout)
     run = run_logged(cmd, log, timeout)
     report = _read_json(result)
-    if gloo:
+    if args.rehearse_cpu:
+        scope = "CPU rehearsal, tiny GPT: the command runs and its result is read; the numbers mean nothing"
+    elif name == "float8_compile":
+        scope = (
+            "1 rank on GPU 0: flatshard and FSDP2 eager, each Block compiled, and compiled with torchao float8 "
+            "(tensorwise, float8 all-gather); MFU of the float8 rows against the bf16 peak"
+        )
+    elif name == "step_time_gloo":
         scope = "2 ranks on GPU 0 over gloo (d_model 1024, 8 layers): real communication through host memory"
     elif gpus > 1:
         scope = f"{gpus} ranks, one per GPU, NCCL"
@@ -337,7 +394,8 @@ def part_step_time(out: Path, timeout: float, args: argparse.Namespace, gloo: bo
             "1 GPU: every contender runs on a single rank, so this compares compute and memory overheads; "
             "nothing is communicated"
         )
-    details: dict[str, Any] = {"result": result.name, "world_size": 2 if gloo else gpus, "scope": scope}
+    world = {"step_time": gpus, "float8_compile": 1, "step_time_gloo": 2}[name]
+    details: dict[str, Any] = {"result": result.name, "world_size": world, "scope": scope}
     rows = {r["name"]: r for r in (report or {}).get("rows", [])}
     if report:
         details["contenders"] = {
@@ -345,7 +403,7 @@ def part_step_time(out: Path, timeout: float, args: argparse.Namespace, gloo: bo
                 "status": r["status"],
                 **{
                     k: r["metrics"].get(k)
-                    for k in ("step_s", "tokens_per_s", "mfu", "cuda_max_allocated_mib")
+                    for k in ("step_s", "tokens_per_s", "mfu", "cuda_max_allocated_mib", "float8")
                 },
                 "cuda_phase_peaks_mib_per_rank": [
                     k.get("cuda_phase_peaks_mib") for k in (r["runs"] or [[]])[-1]
@@ -365,14 +423,21 @@ def part_step_time(out: Path, timeout: float, args: argparse.Namespace, gloo: bo
         return _failed(run, f"timed out after {timeout:.0f} s", log)
     if report is None:
         return _failed(run, f"the benchmark wrote no result (exit status {run['returncode']})", log)
-    if rows.get("flatshard", {}).get("status") != "ok":
-        return _failed(run, "the flatshard contender failed or its losses differ from the reference's", log)
+    ours = [n for n in contenders.split(",") if n.startswith("flatshard")]
+    bad = [n for n in ours if rows.get(n, {}).get("status") != "ok"]
+    if bad:
+        return _failed(run, f"{', '.join(bad)} failed or its losses differ from the reference's", log)
     wrong = [n for n, r in rows.items() if r["status"] == "check failed"]
     if wrong:
         return _failed(run, f"losses differ from the reference's: {', '.join(wrong)}", log)
+    warnings = []
     peers_failed = [n for n, r in rows.items() if r["status"] == "failed"]
     if peers_failed:
-        run["warnings"] = [f"peer contender(s) failed: {', '.join(peers_failed)} (see {log.name})"]
+        warnings.append(f"peer contender(s) failed: {', '.join(peers_failed)} (see {log.name})")
+    if name == "float8_compile" and not any(n.endswith("_float8") for n in contenders.split(",")):
+        warnings.append("torchao is not installed: the float8 rows did not run (pip install torchao)")
+    if warnings:
+        run["warnings"] = warnings
     return {**run, "status": "passed", "reason": None}
 
 
@@ -390,8 +455,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip", default="", help=f"comma-separated parts to skip: {', '.join(PARTS)}")
     p.add_argument("--bench-steps", type=int, default=5, help="the benchmark's --steps (default 5)")
     p.add_argument("--bench-warmup", type=int, default=2, help="the benchmark's --warmup (default 2)")
+    p.add_argument("--bench-contenders", default="flatshard,fsdp1,fsdp2,ddp", help="step_time's --contenders")
     p.add_argument(
-        "--bench-contenders", default="flatshard,fsdp1,fsdp2,ddp", help="the benchmark's --contenders"
+        "--rehearse-cpu",
+        action="store_true",
+        help="without CUDA: run the benchmark parts on the CPU with the tiny GPT (their commands, not numbers)",
     )
     return p.parse_args(argv)
 
@@ -435,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"warning: {warning}", flush=True)
         summary["warnings"] = [warning]
+    if args.rehearse_cpu and not torch.cuda.is_available():
+        return rehearse(args, out, skip, summary, start)
     if not torch.cuda.is_available():
         print("no CUDA device (torch.cuda.is_available() is False): nothing to check here; skipped")
         summary["status"] = "skipped: no CUDA"
@@ -465,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
             elif name == "pytest_gpu":
                 result = part_pytest(out, timeout)
             else:
-                result = part_step_time(out, timeout, args, gloo=name == "step_time_gloo")
+                result = part_step_time(out, timeout, args, name)
             print(f"[{name}] {result['status']} {result.get('reason') or ''}".rstrip(), flush=True)
         summary["parts"][name] = result
         write_json(out / "gpu_check.json", summary, default=str)  # partial results survive a kill
@@ -480,6 +550,32 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out / "gpu_check.json", summary, default=str)
     print_summary(summary)
     return 1 if summary["status"] == "failed" else 0
+
+
+def rehearse(
+    args: argparse.Namespace, out: Path, skip: set[str], summary: dict[str, Any], start: float
+) -> int:
+    """``--rehearse-cpu``: the benchmark parts on the CPU with the tiny GPT (no time budget: caps only), the
+    others skipped; the status says it was a rehearsal."""
+    print("no CUDA device: rehearsing the benchmark parts on the CPU (tiny GPT)", flush=True)
+    for name in PARTS:
+        if name not in BENCH_PARTS or name == "step_time_gloo" or name in skip:
+            result: dict[str, Any] = {
+                "status": "skipped",
+                "reason": "CPU rehearsal" if name not in skip else "--skip",
+            }
+        else:
+            print(f"[{name}] ...", flush=True)
+            result = part_step_time(out, max(CAPS[name], 600), args, name)
+            print(f"[{name}] {result['status']} {result.get('reason') or ''}".rstrip(), flush=True)
+        summary["parts"][name] = result
+        write_json(out / "gpu_check.json", summary, default=str)
+    failed = any(p["status"] == "failed" for p in summary["parts"].values())
+    summary["status"] = f"CPU rehearsal {'failed' if failed else 'passed'}"
+    summary["duration_s"] = round(time.perf_counter() - start, 1)
+    write_json(out / "gpu_check.json", summary, default=str)
+    print_summary(summary)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

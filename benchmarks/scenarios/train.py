@@ -3,7 +3,8 @@
 Every contender trains the same GPT from the same seed on the same batches, in fresh ranks of its own. A step is
 ``barrier -> t0 -> forward -> cross-entropy -> backward -> optimizer.step() -> zero_grad() -> t1`` (``--micro-batches
 M``: M forward/backward pairs, the loss divided by M; ``flatshard_no_sync`` and DDP keep all but the last out of the
-reduction). Losses are checked against DDP's (else the first contender's) before anything is compared.
+reduction). Losses are checked against DDP's (else the first contender's) before anything is compared; rows that
+train in float8 (``--float8``, the ``*_float8`` contenders) against the first float8 row (DDP's if it has one).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import os
 import time
 from typing import Any
@@ -99,7 +101,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--base-dtype", choices=["fp32", "bf16"], default="fp32", help="with --lora: the base's dtype"
     )
-    p.add_argument("--compile-backend", default="inductor", help="flatshard_compiled's torch.compile backend")
+    p.add_argument(
+        "--compile-backend", default="inductor", help="the *_compiled contenders' torch.compile backend"
+    )
+    p.add_argument(
+        "--float8",
+        action="store_true",
+        help="every contender trains with torchao's tensorwise float8 recipe (float8 all-gathers where sharded)",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="one device's dense peak, for MFU (default on CUDA: the GPU's bf16 peak; on CPU: no MFU)",
+    )
     p.add_argument("--shard-group-size", type=int, default=2, help="the hybrid contenders' shard group")
     p.add_argument("--poll-memory", action="store_true", help="private and node memory, sampled every 5 ms")
     p.add_argument(
@@ -135,7 +150,10 @@ def configure(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         timeline=args.timeline,
         count_activations=args.count_activations,
         malloc_mmap_threshold=args.malloc_mmap_threshold,
+        float8=args.float8,
+        peak_tflops=args.peak_tflops,
     )
+    _check_float8(args, cfg)
     if cuda and (
         not torch.cuda.is_available()
         or (cfg["backend"] == "nccl" and torch.cuda.device_count() < cfg["world_size"])
@@ -152,7 +170,23 @@ def configure(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     ]
     parts += [f"w{cfg['world_size']}" if args.world_size and not cuda and args.world_size != 2 else ""]
     parts += [f"mmap{args.malloc_mmap_threshold // 1024}k" if args.malloc_mmap_threshold else ""]
+    parts += ["float8" if args.float8 else ""]
     return cfg, "_".join(p for p in parts if p)
+
+
+def _check_float8(args: argparse.Namespace, cfg: dict[str, Any]) -> None:
+    """Refuse what float8 training cannot run, before any rank starts."""
+    names = [c.strip() for c in args.contenders.split(",") if c.strip() in reg.REGISTRY]
+    converted = [c for c in names if reg.float8(c, cfg)]
+    if not converted:
+        return
+    if args.lora:
+        raise SystemExit(
+            f"float8 ({', '.join(converted)}) with --lora: this benchmark measures float8 training of the whole "
+            "model, not a frozen base with adapters. HINT: drop --lora or the float8 contenders"
+        )
+    if importlib.util.find_spec("torchao") is None:
+        raise SystemExit(f"float8 ({', '.join(converted)}) needs torchao. HINT: pip install torchao")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -249,6 +283,7 @@ def train_rank(rank: int, world: int, name: str, cfg: dict[str, Any]) -> dict[st
                 loss.backward()
             total += loss.detach()
         opt.step()
+        reg.after_optimizer_step(name, model, cfg)
         opt.zero_grad(set_to_none=True)
         return total
 
@@ -381,28 +416,55 @@ def summarize(name: str, runs: list[list[dict[str, Any]]], cfg: dict[str, Any]) 
     if last[0]["overlap"]:
         for key in last[0]["overlap"][0]:
             metrics[key] = [median([s.get(key, 0.0) for s in r["overlap"]]) for r in last]
-    if cfg["device"] == "cuda":
-        metrics["mfu"] = _mfu(metrics["tokens_per_s"], metrics["num_params"], cfg)
+    metrics["flops_per_token"] = flops_per_token(metrics["num_params"], cfg)
+    peak = peak_flops(cfg)
+    if peak:
+        metrics["mfu"] = metrics["tokens_per_s"] * metrics["flops_per_token"] / peak
+    metrics["float8"] = reg.float8(name, cfg)
     return Row(name=name, contender=name, metrics=metrics, runs=runs)
 
 
-def _mfu(tokens_per_s: float, num_params: int, cfg: dict[str, Any]) -> float | None:
-    """torchtitan's formula: ``6 N + 12 layers d seq`` FLOPs per token (N less the position embedding) against
-    the dense bf16 peak of the GPUs in use."""
-    peaks = {
-        "A100": 312e12,
-        "H100 NVL": 835e12,
-        "H100 PCIe": 756e12,
-        "H100": 989e12,
-        "H200": 989e12,
-        "B200": 2.25e15,
-    }
-    name = torch.cuda.get_device_name(0)
-    peak = next((v for k, v in peaks.items() if k in name), None)
+# the dense bf16 peak (FLOP/s, no sparsity) by device name; the first name found in the device's name counts
+BF16_PEAKS = {
+    "A100": 312e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H100": 989.5e12,  # SXM
+    "H200": 989.5e12,
+    "B200": 2.25e15,
+}
+
+
+def flops_per_token(num_params: int, cfg: dict[str, Any]) -> int:
+    """torchtitan's formula, ``6 N + 12 layers heads head_dim seq``: N the parameters less the embeddings'; the
+    token embedding is the output head's weight here (tied), whose matmul counts, so only the position
+    embedding (``seq x d``) is left out. ``heads x head_dim`` is ``d_model``."""
     d, layers, seq = cfg["d_model"], cfg["n_layer"], cfg["seq_len"]
-    flop = 6 * (num_params - seq * d) + 12 * layers * d * seq
-    gpus = min(cfg["world_size"], torch.cuda.device_count())
-    return tokens_per_s * flop / (peak * gpus) if peak else None
+    return int(6 * (num_params - seq * d) + 12 * layers * d * seq)
+
+
+def peak_flops(cfg: dict[str, Any]) -> float | None:
+    """The dense peak of the devices in use, FLOP/s: ``--peak-tflops`` per device, else on CUDA the GPU's bf16
+    peak (:data:`BF16_PEAKS`), for float8 rows too (as torchtitan reports their MFU); on CPU none. The devices:
+    the GPUs in use (ranks sharing one count it once), or on CPU the ranks."""
+    if cfg["device"] == "cuda":
+        devices = min(cfg["world_size"], torch.cuda.device_count())
+        name = torch.cuda.get_device_name(0)
+        peak = next((v for k, v in BF16_PEAKS.items() if k in name), None)
+    else:
+        devices, peak = cfg["world_size"], None
+    if cfg.get("peak_tflops"):
+        peak = cfg["peak_tflops"] * 1e12
+    return peak * devices if peak else None
+
+
+def ratio_pairs(rows: list[Row]) -> list[tuple[str, str]]:
+    """flatshard over every other row, and each other flatshard row over its FSDP2 twin (``flatshard_compiled``
+    over ``fsdp2_compiled``, ``flatshard_compiled_float8`` over ``fsdp2_compiled_float8``)."""
+    names = [r.name for r in rows]
+    pairs = [("flatshard", n) for n in names]
+    twins = [(n, "fsdp2" + n[len("flatshard") :]) for n in names if n.startswith("flatshard_")]
+    return pairs + [(a, b) for a, b in twins if b in names]
 
 
 def _losses_close(tol: float) -> Any:
@@ -419,11 +481,30 @@ def run(cfg: dict[str, Any], contenders: list[str]) -> tuple[list[Row], list[str
         contenders, cfg["repeats"], lambda c: reg.run_ranks(train_rank, cfg["world_size"], c, cfg, cfg=cfg)
     )
     rows = [failed(c, errors[c]) if c in errors else summarize(c, runs[c], cfg) for c in contenders]
-    ok = [r for r in rows if r.ok]
-    reference = next((r for r in ok if r.contender == "ddp"), ok[0] if ok else None)
     mixed = cfg["precision"] == "bf16-mixed" or cfg["base_dtype"] == "bf16"
-    check_against(rows, reference, _losses_close(2e-2 if mixed else 1e-3))
     notes = []
+    for in_float8 in (False, True):  # float8 rows against float8 rows: the same torchao math on both sides
+        group = [r for r in rows if reg.float8(r.contender, cfg) == in_float8]
+        ok = [r for r in group if r.ok]
+        reference = next((r for r in ok if r.contender == "ddp"), ok[0] if ok else None)
+        check_against(group, reference, _losses_close(2e-2 if mixed else 1e-3))
+    if any(reg.float8(c, cfg) for c in contenders):
+        notes.append(
+            "float8: torchao's tensorwise recipe on every Block linear (lm_head in high precision); flatshard "
+            "and FSDP2 all-gather float8 weights, FSDP1 high-precision ones (torchao has no FSDP1 float8 "
+            "all-gather), DDP none (the same float8 matmuls everywhere); FSDP2 runs "
+            "precompute_float8_dynamic_scale_for_fsdp after each optimizer step"
+        )
+        if cfg["device"] == "cpu":
+            notes.append(
+                "float8 on CPU: torch._scaled_mm is emulated, slowly; the rows show they run and agree"
+            )
+    peak = peak_flops(cfg)
+    if peak and any("mfu" in r.metrics for r in rows):
+        notes.append(
+            f"MFU: torchtitan's 6 N + 12 layers d seq FLOPs per token against {peak / 1e12:g} TFLOPS "
+            "dense (all devices in use; float8 rows against the same bf16 peak, as torchtitan reports them)"
+        )
     if any("all_reduce_mib" in r.metrics for r in rows):
         notes.append(
             "bytes per collective: what rank 0 passed into flatshard's collectives per step (input size)"

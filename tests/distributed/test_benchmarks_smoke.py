@@ -31,3 +31,30 @@ def test_train_scenario_runs_two_ranks_and_writes_its_report(tmp_path: Path) -> 
     assert report.table in done.stdout
     plots = importlib.util.find_spec("matplotlib") is not None  # the `bench` extra
     assert (tmp_path / "train_tiny.png").exists() == plots
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_train_float8_rows_run_and_agree_with_each_other(tmp_path: Path) -> None:
+    """flatshard and FSDP2 with torchao's float8 training on the tiny GPT: both rows pass the loss check against
+    each other (the same float8 math), flatshard gathers the Block weights in float8, and each float8 row is
+    compared with its FSDP2 twin."""
+    pytest.importorskip("torchao.float8")
+    argv = ["train", "--preset", "tiny", "--contenders", "flatshard,flatshard_float8,fsdp2_float8"]
+    argv += ["--steps", "2", "--warmup", "1", "--variant", "float8-smoke"]
+    run_script([sys.executable, "-m", "benchmarks", *argv, "--out", str(tmp_path)], REPO, 240)
+    report = Report.from_json((tmp_path / "train_tiny_float8-smoke.json").read_text())
+    plain, ours, theirs = report.rows
+    assert all(r.ok for r in report.rows), [(r.name, r.error, r.check) for r in report.rows]
+    assert [r.metrics["float8"] for r in report.rows] == [False, True, True]
+    assert plain.check["against"] == "flatshard" and theirs.check == {
+        "ok": True,
+        "against": "flatshard_float8",
+    }
+    assert ours.runs[0][0]["losses"] == pytest.approx(theirs.runs[0][0]["losses"], abs=1e-5)
+    assert ours.runs[0][0]["losses"] != plain.runs[0][0]["losses"]
+    # float8 all-gathers: 1 byte instead of 4 for each Block linear weight (2 Blocks of 49152); rank 0 passes
+    # its half of them twice a step (forward and backward)
+    saved = (plain.metrics["all_gather_mib"] - ours.metrics["all_gather_mib"]) * 2**20
+    assert saved == pytest.approx(3 * 2 * (2 * 49152 // 2))
+    assert "flatshard_float8 ÷ fsdp2_float8" in report.ratios

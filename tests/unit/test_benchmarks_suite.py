@@ -4,6 +4,7 @@ schema's round trip and checks, and the report's ratios and table."""
 from __future__ import annotations
 
 import pytest
+import torch
 from benchmarks import contenders
 from benchmarks.__main__ import parse
 from benchmarks.report import Column, compute_ratios, table
@@ -139,3 +140,50 @@ def test_table_and_ratios_leave_out_rows_whose_check_failed() -> None:
     )
     assert "fsdp1 (CHECK FAILED: losses differ)" in lines[4] and lines[4].endswith("| - |")
     assert lines[5] == "| fsdp2 | FAILED: RuntimeError: boom |"
+
+
+def test_train_float8_option_names_the_variant_and_refuses_lora() -> None:
+    _, _, cfg, names, variant = parse(
+        ["train", "--preset", "tiny", "--float8", "--contenders", "flatshard,fsdp2"]
+    )
+    assert cfg["float8"] and names == ["flatshard", "fsdp2"] and variant == "float8"
+    assert parse(["train", "--contenders", "flatshard,flatshard_compiled_float8"])[4] == ""
+    with pytest.raises(SystemExit, match="HINT: drop --lora or the float8 contenders"):
+        parse(["train", "--contenders", "flatshard,fsdp2_float8", "--lora", "8"])
+
+
+def test_float8_converts_the_same_block_linears_for_every_family() -> None:
+    pytest.importorskip("torchao.float8")
+    from benchmarks.model import PRESETS, build_model
+    from torchao.float8.float8_linear import Float8Linear
+
+    for family, all_gather in (("flatshard", True), ("fsdp2", True), ("fsdp1", False), ("ddp", False)):
+        model = build_model(dict(PRESETS["tiny"], seed=0))
+        assert contenders.convert_float8(model, family) == 8  # 4 linears in each of the 2 Blocks
+        float8 = {
+            n: m.config.enable_fsdp_float8_all_gather
+            for n, m in model.named_modules()
+            if isinstance(m, Float8Linear)
+        }
+        assert all(n.startswith("blocks.") for n in float8) and set(float8.values()) == {all_gather}
+        assert type(model.lm_head) is torch.nn.Linear and model.weights_tied  # the head stays high precision
+    with pytest.raises(ValueError, match="HINT: choose --d-model a multiple of 16"):
+        contenders.convert_float8(
+            build_model(dict(PRESETS["tiny"], d_model=40, n_head=4, seed=0)), "flatshard"
+        )
+
+
+def test_train_pairs_each_flatshard_row_with_its_fsdp2_twin_and_counts_flops() -> None:
+    from benchmarks.scenarios import train
+
+    names = ["flatshard", "fsdp2", "flatshard_compiled", "fsdp2_compiled", "flatshard_compiled_float8", "ddp"]
+    pairs = train.ratio_pairs([_row(n, 1.0) for n in names])
+    assert pairs[: len(names)] == [("flatshard", n) for n in names]
+    assert pairs[len(names) :] == [("flatshard_compiled", "fsdp2_compiled")]  # no fsdp2_compiled_float8 row
+    cfg = parse(["train", "--preset", "tiny", "--peak-tflops", "2"])[2]
+    # torchtitan: 6 x (parameters less the position embedding) + 12 layers d_model seq
+    assert train.flops_per_token(1000_000, cfg) == 6 * (1000_000 - 32 * 64) + 12 * 2 * 64 * 32
+    assert (
+        train.peak_flops(cfg) == 2 * 2e12
+        and train.peak_flops(parse(["train", "--preset", "tiny"])[2]) is None
+    )
