@@ -141,9 +141,45 @@ def extra_text(report: Report) -> str:
                 ]
                 cells.append(f"{m['exposed_s'] * 1e3:.0f} ms of {m['step_s'] * 1e3:.0f} ms")
                 lines.append("| " + " | ".join(cells) + " |")
+        parts.append("\n".join(lines))
+        lines = _cross_node_table(size)
         cli = format_table(estimate(_factory(size), TABLE_WORLDS, **_settings()))
         cli = cli.replace(f"llama_{size}", f"flatshard.testing.llama:llama_{size}")
         command = f"$ flatshard estimate flatshard.testing.llama:llama_{size} -n 8,64,512 --wrap LlamaBlock "
         command += "--checkpoint LlamaBlock --mixed-precision bf16 --bandwidth infiniband"
         parts += ["\n".join(lines), f"```text\n{command}\n{cli}\n```"]
     return "\n\n".join(parts) + "\n"
+
+
+CROSS_WORLDS = (64, 512)
+MICRO_BATCHES = 4
+
+
+def _cross_node_table(size: str) -> list[str]:
+    """Bytes each GPU puts on links between nodes (8 GPUs per node) per optimizer step of 4 micro-batches: FULL_SHARD
+    with and without the node-local copy for backward, hybrid sharding with the all-reduce across replicas every
+    micro-batch (as before) and once per step (see [Note: bytes between nodes])."""
+    from flatshard.estimator import estimate, format_bytes
+
+    settings = {**_settings(), "micro_batches": MICRO_BATCHES, "ranks_per_node": 8}
+    full = estimate(_factory(size), CROSS_WORLDS, **settings).rows
+    local = estimate(_factory(size), CROSS_WORLDS, reshard_after_forward=8, **settings).rows
+    hybrid_settings = {**settings, "sharding_strategy": "HYBRID_SHARD", "shard_group_size": 8}
+    hybrid = estimate(_factory(size), CROSS_WORLDS, **hybrid_settings).rows
+    lines = [
+        f"Between nodes, Llama {size.upper()}: bytes per GPU and optimizer step of {MICRO_BATCHES} micro-batches, "
+        "8 GPUs per node (ring upper bound)",
+        "",
+        "| GPUs | FULL_SHARD | FULL_SHARD, `reshard_after_forward=8` | HYBRID_SHARD (8 per node), all-reduce every "
+        "micro-batch | HYBRID_SHARD, all-reduce once per step |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for f, n, h in zip(full, local, hybrid, strict=True):
+        every = (
+            h.cross_node * MICRO_BATCHES
+        )  # the all-reduce across replicas is the only traffic between nodes
+        cells = [str(f.world_size)] + [
+            format_bytes(v) for v in (f.cross_node, n.cross_node, every, h.cross_node)
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines

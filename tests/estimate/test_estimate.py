@@ -34,6 +34,9 @@ def _row(factory=gpt, world=2, **kw):
         (4, {"sharding_strategy": "HYBRID_SHARD", "shard_group_size": 2}),
         (4, {"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}),
         (2, {"reshard_root_after_forward": True}),
+        (4, {"reshard_after_forward": 2}),
+        (4, {"reshard_after_forward": 2, "mixed_precision": {"param_dtype": "bf16"}, "ranks_per_node": 2}),
+        (4, {"sharding_strategy": "HYBRID_SHARD", "shard_group_size": 2, "micro_batches": 4}),
     ],
 )
 def test_layout_rules_give_the_bytes_the_step_counts(world: int, options: dict) -> None:
@@ -42,6 +45,8 @@ def test_layout_rules_give_the_bytes_the_step_counts(world: int, options: dict) 
     ruled = _row(gpt_without_batch, world, **options)
     assert measured.measured and not ruled.measured
     assert measured.comm == ruled.comm
+    assert measured.comm_by_group == ruled.comm_by_group  # per group: counted by the groups, and by the rules
+    assert measured.cross_node == ruled.cross_node
     assert (measured.params, measured.grads, measured.optimizer) == (
         ruled.params,
         ruled.grads,

@@ -97,7 +97,7 @@ from flatshard.engine.step.whole_tensor import (
     register_whole_tensor_optimizer,
     whole_tensor_classes,
 )
-from flatshard.engine.transport.comm import comm_stats, global_rank, timeline, uses_nccl
+from flatshard.engine.transport.comm import comm_stats, global_rank, group_traffic, timeline, uses_nccl
 from flatshard.engine.transport.groups import world_state
 from flatshard.engine.transport.processes import ProcessId
 from flatshard.engine.transport.watchdog import DesyncError, wait_collective
@@ -154,6 +154,7 @@ __all__ = [
     "gathered_buffers",
     "get_state_dict",
     "global_rank",
+    "group_traffic",
     "handle_of_param",
     "hf_owners",
     "is_forward_method",

@@ -33,6 +33,7 @@ class UnitLayout(NamedTuple):
     path: str  # the unit module's path under the sharded root ("<root>" for the root)
     is_root: bool
     reshard_after_forward: bool  # freed after forward and gathered again for backward
+    node_copy: int  # reshard_after_forward=k: backward gathers over k ranks (0: over the shard group)
     numel: int  # elements of the unit's parameters (without padding)
     padded_numel: int  # the gathered flat parameter's length
     shard_numel: int  # elements every rank of the shard group holds (padding included)
@@ -88,6 +89,9 @@ def unit_layouts(module: nn.Module) -> list[UnitLayout]:
                     path=state.path,
                     is_root=state.module is module,
                     reshard_after_forward=state.reshard_after_forward is not False,
+                    node_copy=0
+                    if isinstance(state.reshard_after_forward, bool)
+                    else state.reshard_after_forward,
                     numel=h.layout.total_numel,
                     padded_numel=h.layout.padded_numel,
                     shard_numel=h.layout.shard_numel,

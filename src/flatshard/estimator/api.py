@@ -85,7 +85,7 @@ class RankEstimate:
     host: int  # CPU offload: bytes in host memory
     measured: bool  # whether a step ran (an example batch was given)
     comm: dict[str, int]  # bytes this rank sends per step, by collective kind
-    comm_by_group: dict[str, int]  # the same, by process group: "shard" / "replicate"
+    comm_by_group: dict[str, int]  # the same, by process group: "shard" / "replicate" / "node"
     wire: int  # bytes this rank puts on its links per step (ring collectives; see [Note: the communication time model])
     optimizer_exchange: int  # whole-tensor optimizers: bytes sent to and from owners per step (estimated)
     flops: int
@@ -104,6 +104,11 @@ class RankEstimate:
     checkpointing: str | None = None  # activation checkpointing: None (off), full, selective, operators
     activation_offload: bool = False
     device: str = "cuda"
+    # per optimizer step of ``micro_batches`` micro-batches: the bytes this rank sends into groups whose ranks span
+    # nodes of ``ranks_per_node`` (see [Note: bytes between nodes])
+    micro_batches: int = 1
+    ranks_per_node: int = 8
+    cross_node: int = 0
 
     @property
     def fits(self) -> bool | None:
@@ -251,21 +256,86 @@ def _checkpointing(options: ShardOptions) -> str | None:
     return mode if isinstance(mode, str) else "operators"
 
 
-def _layout_comm(layouts: list[UnitLayout], reshard_root: bool) -> dict[str, int]:
-    """Bytes per rank per step from the layout, each unit's forward running once (see the module note)."""
+GroupBytes = list[
+    tuple[str, tuple[int, ...], dict[str, int]]
+]  # (role, rank 0's group's ranks, bytes per kind)
+
+
+def _layout_comm(layouts: list[UnitLayout], reshard_root: bool) -> tuple[dict[str, int], GroupBytes]:
+    """Bytes per rank per step from the layout, each unit's forward running once (see the module note): by
+    collective kind, and by rank 0's process groups ("shard", "replicate", "node": consecutive ranks, as
+    ``shard()`` makes them from a group size)."""
     out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    shard: dict[str, int] = {}
+    node: dict[str, int] = {}
+    replicate: dict[str, int] = {}
+
+    def add(kinds: dict[str, int], kind: str, n: int) -> None:
+        out[kind] += n
+        kinds[kind] = kinds.get(kind, 0) + n
+
     for L in layouts:
         if L.shard_world > 1:
-            gathers = 2 if (L.reshard_after_forward and (not L.is_root or reshard_root)) else 1
-            out["all_gather"] += gathers * L.shard_numel * itemsize(L.compute_dtype)
+            size = itemsize(L.compute_dtype)
+            again = L.reshard_after_forward and (not L.is_root or reshard_root)
+            local = again and L.node_copy > 1 and not L.is_root  # backward gathers the node-local copy
+            add(shard, "all_gather", L.shard_numel * size * (2 if again and not local else 1))
+            if local:
+                add(node, "all_gather", L.padded_numel // L.node_copy * size)
         if not any(L.trainable):
             continue
         chunk = L.reduce_chunk * itemsize(L.reduce_dtype)
         if L.shard_world > 1:
-            out["reduce_scatter"] += chunk * L.shard_world
+            add(shard, "reduce_scatter", chunk * L.shard_world)
         if L.replicate_world > 1:
-            out["all_reduce"] += chunk
-    return {k: v for k, v in out.items() if v}
+            add(replicate, "all_reduce", chunk)
+    s = max((L.shard_world for L in layouts), default=1)
+    r = max((L.replicate_world for L in layouts), default=1)
+    k = max((L.node_copy for L in layouts), default=0)
+    groups: GroupBytes = [
+        ("shard", tuple(range(s)), shard),
+        ("replicate", tuple(range(0, s * r, s)), replicate),
+        ("node", tuple(range(k)), node),
+    ]
+    return {kind: v for kind, v in out.items() if v}, [g for g in groups if g[2]]
+
+
+def _ranks_per_node(opts: EstimateOptions, m: Measured) -> int:
+    """Ranks per node: given, else a hybrid shard group, else 8 (or the world, when smaller)."""
+    if opts.ranks_per_node:
+        return opts.ranks_per_node
+    if m.shard_group_size:
+        return m.shard_group_size
+    return min(8, m.world)
+
+
+def _cross_node(m: Measured, layout_groups: GroupBytes, micro_batches: int, rpn: int) -> int:
+    """Bytes rank 0 puts on the links of groups whose ranks lie on more than one node, per optimizer step.
+
+    [Note: bytes between nodes]
+    Ranks ``r`` and ``s`` share a node when ``r // ranks_per_node == s // ranks_per_node`` (a launcher's
+    consecutive ranks). What a rank puts on the links of a group of ``W`` ranks follows the ring algorithms (as
+    [Note: the communication time model]): ``(W - 1)`` times its shard for an all-gather, ``(W - 1) / W`` of its
+    input for a reduce-scatter, ``2 (W - 1) / W`` of it for an all-reduce; for a group spanning nodes all of it is
+    counted as traffic between nodes (an upper bound: a ring over ``n`` nodes crosses ``n`` of its ``W`` links).
+    Per optimizer step of ``k`` micro-batches every micro-batch gathers and reduce-scatters (the Trainer's default
+    accumulation), while the all-reduce across replicas runs once (see [Note: replica reductions once per step]);
+    the node-local groups of ``reshard_after_forward`` stay inside a node when their size is at most
+    ``ranks_per_node``. The bytes each group is sent are the engine's own counts (``group_traffic``), checked
+    against real ranks exactly.
+    """
+    total = 0.0
+    for role, ranks, kinds in m.group_bytes or layout_groups:
+        if len({r // rpn for r in ranks}) < 2:
+            continue
+        w = len(ranks)
+        wire = (
+            kinds.get("all_gather", 0) * (w - 1)
+            + kinds.get("reduce_scatter", 0) * (w - 1) / w
+            + kinds.get("all_reduce", 0) * 2 * (w - 1) / w
+        )
+        total += wire * (1 if role == "replicate" else micro_batches)
+    return int(total)
 
 
 def _gathered_bytes(L: UnitLayout) -> int:
@@ -378,7 +448,7 @@ def _row(m: Measured, opts: EstimateOptions) -> RankEstimate:
         )
         other = grad_in_flight
         activations = None
-        comm = _layout_comm(layouts, shard_opts.reshard_root_after_forward)
+        comm, layout_groups = _layout_comm(layouts, shard_opts.reshard_root_after_forward)
         peak = m.params + m.grads + m.optimizer + m.buffers + gathered + other + lag + overhead
         notes.append("no example batch: activations not counted, gathered units from the schedule rules")
     activations, peak, activations_host = _offload_activations(m, opts, activations, peak, notes)
@@ -407,6 +477,14 @@ def _row(m: Measured, opts: EstimateOptions) -> RankEstimate:
         "shard": comm.get("all_gather", 0) + comm.get("reduce_scatter", 0),
         "replicate": comm.get("all_reduce", 0),
     }
+    if m.peak is not None:
+        layout_groups = []
+    if m.group_bytes or layout_groups:  # counted per group in the measured step, or from the layout
+        by_group = {}
+        for role, _, kinds in m.group_bytes or layout_groups:
+            by_group[role] = by_group.get(role, 0) + sum(kinds.values())
+    rpn = _ranks_per_node(opts, m)
+    cross = _cross_node(m, layout_groups, opts.micro_batches, rpn)
     row = RankEstimate(
         world_size=m.world,
         shard_group_size=m.shard_group_size,
@@ -432,6 +510,9 @@ def _row(m: Measured, opts: EstimateOptions) -> RankEstimate:
         measured=m.peak is not None,
         comm=comm,
         comm_by_group={k: v for k, v in by_group.items() if v},
+        micro_batches=opts.micro_batches,
+        ranks_per_node=rpn,
+        cross_node=cross,
         wire=_wire(comm, layouts),
         optimizer_exchange=_exchange(layouts, opts.optimizer),
         flops=m.flops,
@@ -531,7 +612,10 @@ def estimate(
     backward_prefetch: Any = "BACKWARD_PRE",
     forward_prefetch: bool = False,
     reshard_root_after_forward: bool = False,
+    reshard_after_forward: bool | int | None = None,
     shard_group_size: int | Sequence[int] | None = None,
+    micro_batches: int = 1,
+    ranks_per_node: int | None = None,
     optimizer: str | type = "adamw",
     device: str = "cuda",
     bandwidth: str | float | None = None,
@@ -553,9 +637,14 @@ def estimate(
             activations in host memory, two units' on the device; derived from the step's saved tensors),
             ``activation_checkpointing_policy``,
             ``activation_checkpointing_mode`` (run as in training: selective checkpointing keeps what it keeps),
-            ``limit_all_gathers``, ``backward_prefetch``, ``forward_prefetch`` and ``reshard_root_after_forward``.
+            ``limit_all_gathers``, ``backward_prefetch``, ``forward_prefetch``, ``reshard_root_after_forward`` and
+            ``reshard_after_forward`` (an int: the node-local copy's gathers are counted in the ``"node"`` group).
         shard_group_size: hybrid strategies: ranks per shard group (an int or several). Default: 8 (or the
             world size, when smaller).
+        micro_batches: micro-batches per optimizer step (gradient accumulation), for the bytes between nodes
+            per step (see [Note: bytes between nodes]). Default: 1.
+        ranks_per_node: ranks per node, for the bytes between nodes. Default: a hybrid shard group, else 8 (or
+            the world size, when smaller).
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd-momentum"``, ``"muon"``, ``"none"`` or an
             optimizer class (or its import path). Default: ``"adamw"``.
         device: ``"cuda"`` (default) or ``"cpu"``: see [Note: estimating a step].
@@ -583,6 +672,7 @@ def estimate(
         backward_prefetch=backward_prefetch,
         forward_prefetch=forward_prefetch,
         reshard_root_after_forward=reshard_root_after_forward,
+        reshard_after_forward=reshard_after_forward,
     )
     errors = OptionErrors("estimate")
     link: Link | None = errors.check(parse_link, bandwidth, latency, "shard link")
@@ -603,6 +693,8 @@ def estimate(
         tflops=tflops,
         capacity=cap,
         overhead=extra,
+        micro_batches=micro_batches,
+        ranks_per_node=ranks_per_node,
     )
     factory = resolve_factory(target)
     name = target if isinstance(target, str) else getattr(target, "__qualname__", repr(target))
@@ -629,6 +721,9 @@ def estimate(
         "link": link._asdict() if link else None,
         "replicate_link": (opts.replicate_link._asdict() if opts.replicate_link else None),
         "tflops": opts.tflops,
+        "reshard_after_forward": shard_options.reshard_after_forward,
+        "micro_batches": opts.micro_batches,
+        "ranks_per_node": opts.ranks_per_node,
     }
     if not rows:
         raise EstimateError("nothing to estimate. HINT: pass --world-size.")

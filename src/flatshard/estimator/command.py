@@ -155,6 +155,20 @@ def add_parser(sub: Any) -> None:
         help="free the root's gathered parameters after forward",
     )
     p.add_argument(
+        "--reshard-after-forward",
+        default=None,
+        help="true, false, or k: keep a copy over k ranks (a node) after forward for backward to gather from",
+    )
+    p.add_argument(
+        "--micro-batches", type=int, default=1, help="micro-batches per optimizer step (bytes between nodes)"
+    )
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="ranks per node (default: a hybrid shard group, else 8)",
+    )
+    p.add_argument(
         "--device", default="cuda", choices=("cuda", "cpu"), help="what the peak is for (default cuda)"
     )
     p.add_argument("--bandwidth", default=None, help=f"shard group link: {', '.join(LINKS)} or e.g. 400GB/s")
@@ -171,6 +185,22 @@ def add_parser(sub: Any) -> None:
         help="memory outside tensors (default 1GiB on cuda; on cpu the rank's runtime is measured unless given)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def _reshard(value: str | None) -> bool | int | None:
+    """``--reshard-after-forward``: true / false / an int."""
+    if value is None:
+        return None
+    text = value.strip().lower()
+    if text in ("true", "false"):
+        return text == "true"
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"--reshard-after-forward {value!r} is not true, false or a number of ranks. HINT: e.g. "
+            "--reshard-after-forward 8 (the GPUs of one node)."
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -194,6 +224,9 @@ def run(args: argparse.Namespace) -> int:
             backward_prefetch=prefetch,
             forward_prefetch=args.forward_prefetch,
             reshard_root_after_forward=args.reshard_root_after_forward,
+            reshard_after_forward=_reshard(args.reshard_after_forward),
+            micro_batches=args.micro_batches,
+            ranks_per_node=args.ranks_per_node,
             device=args.device,
             bandwidth=args.bandwidth,
             latency=args.latency,

@@ -22,11 +22,13 @@ from flatshard.engine import (
     activation_offload_stats,
     comm_stats,
     gathered_buffers,
+    group_traffic,
     is_whole_tensor_optimizer,
     original_shapes,
     shard,
     timeline,
     unit_layouts,
+    unit_states,
     whole_tensor_owners,
 )
 from flatshard.estimator.options import EstimateOptions
@@ -72,6 +74,9 @@ class Measured:
     peak: int | None = None  # with a batch: the measured peak of the step
     peak_breakdown: dict[str, int] = field(default_factory=dict)
     comm: dict[str, int] = field(default_factory=dict)  # bytes this rank sent per collective kind
+    # bytes this rank sent per process group in the measured step: (role, the group's global ranks, bytes per
+    # collective kind), role "shard", "replicate" or "node" (reshard_after_forward=k's groups)
+    group_bytes: list[tuple[str, tuple[int, ...], dict[str, int]]] = field(default_factory=list)
     collectives: list[Collective] = field(default_factory=list)
     flops: int = 0
     # activation_offload: bytes each unit's saved activations held in the measured step (see [Note: activation
@@ -334,6 +339,8 @@ def _measure(
     tracker.watch_resizable(gathered_buffers(module))
     del persistent, states  # holding the gradients here would keep zero_grad from freeing them
     comm_stats.clear()
+    roles = _group_roles(module)
+    sent_before = [dict(group_traffic(g)[1]) for _, g in roles]
     marks: dict[str, tuple[int, int]] = {}
 
     def mark(phase: str) -> None:
@@ -344,6 +351,11 @@ def _measure(
         mark("start")
         _checked_step(name, module, built.batch, optimizer, mark)
     measured.comm = {k: int(v) for k, v in comm_stats.items() if v}
+    measured.group_bytes = []
+    for (role, g), before in zip(roles, sent_before, strict=True):
+        ranks, sent = group_traffic(g)
+        kinds = {k: int(v - before.get(k, 0)) for k, v in sent.items() if v - before.get(k, 0)}
+        measured.group_bytes.append((role, ranks, kinds))
     measured.gathered_max = tracker.resizable_peak
     live0, gathered0 = marks["start"]
     live1, gathered1 = marks["forward"]
@@ -369,6 +381,21 @@ def _measure(
     ]
     comm_stats.clear()
     return measured
+
+
+def _group_roles(module: nn.Module) -> list[tuple[str, Any]]:
+    """This rank's process groups with more than one rank, by role: the shard group, the replicate group, and the
+    node-local groups of ``reshard_after_forward=k``."""
+    out: dict[int, tuple[str, Any]] = {}
+    for state in unit_states(module):
+        for h in state.handles:
+            if h.shard_world > 1:
+                out.setdefault(id(h.shard_group), ("shard", h.shard_group))
+            if h.replicate_world > 1:
+                out.setdefault(id(h.replicate_group), ("replicate", h.replicate_group))
+        if state.node_group is not None:
+            out.setdefault(id(state.node_group), ("node", state.node_group))
+    return list(out.values())
 
 
 def _checked_step(

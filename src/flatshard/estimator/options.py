@@ -228,6 +228,8 @@ class EstimateOptions:
             NO_SHARD), default the same.
         tflops: achieved compute throughput per rank in TFLOP/s, for the exposed communication time.
         capacity: memory per device in bytes: what "fits" means (default 80 GiB on cuda, none on cpu).
+        micro_batches: micro-batches per optimizer step, for the bytes between nodes per step.
+        ranks_per_node: ranks per node (default: a hybrid shard group, else 8 or the world size).
         overhead: bytes per device outside tensors (CUDA context, communication buffers); default 1 GiB on
             cuda; on cpu ``None`` (the default) has the rank's runtime measured instead (see [Note: a rank's
             runtime]), and a value replaces the measurement.
@@ -243,6 +245,8 @@ class EstimateOptions:
     tflops: float = 400.0
     capacity: int | None = None
     overhead: int | None = None
+    micro_batches: int = 1
+    ranks_per_node: int | None = None
 
     def __post_init__(self) -> None:
         errors = OptionErrors("estimate")
@@ -269,6 +273,17 @@ class EstimateOptions:
                                 "world size (the GPUs of one node, usually 8)."
                             )
                         )
+        for name in ("micro_batches", "ranks_per_node"):
+            value = getattr(self, name)
+            if value is None and name == "ranks_per_node":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                errors.extend(
+                    ValueError(
+                        f"{name}={value!r} must be a positive int. HINT: e.g. 4 micro-batches per optimizer step, "
+                        "8 ranks per node."
+                    )
+                )
         if isinstance(self.shard, ShardOptions) and self.shard.cpu_offload and device == "cpu":
             errors.extend(
                 ValueError(

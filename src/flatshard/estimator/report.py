@@ -90,6 +90,20 @@ def format_table(est: Estimate) -> str:
     )
     add("  total", lambda r: format_bytes(sum(r.comm.values()) + r.optimizer_exchange))
     add("  sent on the links (ring)", lambda r: format_bytes(r.wire))
+    groups = [g for g in ("shard", "replicate", "node") if any(g in r.comm_by_group for r in rows)]
+    if len(groups) > 1:
+        for g in groups:
+
+            def into(r: RankEstimate, g: str = g) -> str:
+                return format_bytes(r.comm_by_group.get(g, 0))
+
+            add(f"  into the {g} group", into)
+    if rows:
+        micro = rows[0].micro_batches
+        add(
+            f"  between nodes per optimizer step ({micro} micro-batch{'es' if micro != 1 else ''})",
+            lambda r: format_bytes(r.cross_node) + f" ({r.ranks_per_node}/node)",
+        )
     if any(r.communication_s is not None for r in rows):
         link = opts.get("link") or {}
         title = f"time per step ({link.get('name')}: {link.get('bandwidth', 0) / 1e9:.1f} GB/s, "

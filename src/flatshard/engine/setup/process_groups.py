@@ -195,11 +195,19 @@ def node_local_group(shard_group: Any, k: int) -> Any:
             f"reshard_after_forward={k} does not divide the shard group size {len(world_ranks)}. HINT: use a "
             f"divisor of {len(world_ranks)} (the ranks per node), True or False."
         )
-    made = state_of(None).node_local  # kept by the default group, and dropped with it
+    world_state = state_of(None)
+    made = world_state.node_local  # kept by the default group, and dropped with it
     key = (k, world_ranks)
     if key not in made:
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, world_ranks)
+        world, size = dist.get_world_size(), len(world_ranks)
+        known = world_ranks == tuple(range(world)) or any(  # the whole world, or hybrid_groups' own groups
+            shard_group in shards for s, (shards, _) in world_state.hybrid.items() if s == size
+        )
+        if known:  # every shard group is consecutive ranks: nothing to exchange (a fake group moves nothing)
+            everyone: list[Any] = [tuple(range(i, i + size)) for i in range(0, world, size)]
+        else:
+            everyone = [None] * world
+            dist.all_gather_object(everyone, world_ranks)
         blocks = sorted({g[i : i + k] for g in set(everyone) for i in range(0, len(g), k)})
         created = {block: dist.new_group(list(block)) for block in blocks}  # the same order on every rank
         rank = dist.get_rank()

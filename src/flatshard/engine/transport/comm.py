@@ -53,6 +53,7 @@ __all__ = [
     "check_trainable_dtype",
     "comm_stats",
     "global_rank",
+    "group_traffic",
     "reduce_scatter_flat",
     "timeline",
 ]
@@ -443,3 +444,10 @@ def all_reduce_max(
     label = _label("all_reduce", tensor, tensor.numel(), group, where)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
     _issued("all_reduce", nbytes, tensor, work, False, label, group)
+
+
+def group_traffic(group: ProcessGroup | None) -> tuple[tuple[int, ...], Counter[str]]:
+    """``group``'s global ranks, and the bytes this rank sent into its flat collectives so far, per kind (the
+    group's own count: see [Note: state per process group])."""
+    state = groups.state_of(group)
+    return state.ranks, state.sent
