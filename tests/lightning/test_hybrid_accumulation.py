@@ -44,14 +44,26 @@ class _Bytes(L.Callback):
         self._last = sent
 
 
+class _Switch(L.Callback):
+    """Between steps, from a callback: the node-local copy from the second optimizer step on."""
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, module: L.LightningModule, batch: Any, idx: int
+    ) -> None:
+        if idx == MICRO:
+            flatshard.set_reshard_after_forward(module, 2)
+
+
 def _fit(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
-    for name in ("ddp", "sharded", "no_sync", "node_copy"):
+    for name in ("ddp", "sharded", "no_sync", "node_copy", "switched"):
         recorder, counted = LossRecorder(), _Bytes()
         strategy: Any = "ddp"
         if name == "node_copy":  # FULL_SHARD over the 4 ranks, backward gathering inside each "node" of 2
             strategy = flatshard.FlatShardStrategy(auto_wrap_policy={Block}, reshard_after_forward=2)
+        elif name == "switched":
+            strategy = flatshard.FlatShardStrategy(auto_wrap_policy={Block})
         elif name != "ddp":
             strategy = flatshard.FlatShardStrategy(
                 auto_wrap_policy={Block},
@@ -61,6 +73,7 @@ def _fit(rank: int, world: int) -> dict[str, Any]:
             )
         module = LitGPT()
         callbacks = [recorder] + ([counted] if name in ("sharded", "no_sync") else [])
+        callbacks += [_Switch()] if name == "switched" else []
         trainer = make_trainer(
             world, strategy, max_epochs=1, accumulate_grad_batches=MICRO, callbacks=callbacks
         )
@@ -78,6 +91,7 @@ def _fit(rank: int, world: int) -> dict[str, Any]:
             "weights": weights,
             "bytes": counted.per_step,
             "shard": shard_bytes,
+            "node_groups": sum(s.node_group is not None for s in unit_states(module)) if name != "ddp" else 0,
         }
     return out
 
@@ -95,7 +109,12 @@ def test_trainer_hybrid_accumulation_matches_ddp_and_crosses_nodes_once_per_step
             # one all-reduce of each unit's gradient shard per optimizer step (plus the small flag all-reduce)
             assert len(got["bytes"]) == STEPS // MICRO, (rank, name, got["bytes"])
             assert all(got["shard"] <= b < got["shard"] + 1024 for b in got["bytes"]), (rank, name, got)
-        got = r["node_copy"]
-        assert got["losses"] == pytest.approx(ddp["losses"], abs=1e-5), rank
-        for k, v in ddp["weights"].items():
-            torch.testing.assert_close(got["weights"][k], v, atol=2e-5, rtol=0, msg=f"{rank} node_copy {k}")
+        for name in ("node_copy", "switched"):
+            got = r[name]
+            assert got["losses"] == pytest.approx(ddp["losses"], abs=1e-5), (rank, name)
+            for k, v in ddp["weights"].items():
+                torch.testing.assert_close(got["weights"][k], v, atol=2e-5, rtol=0, msg=f"{rank} {name} {k}")
+            assert got["node_groups"] > 0, (
+                rank,
+                name,
+            )  # the copy was in use (switched: from the callback on)
