@@ -69,7 +69,23 @@ REGISTRY: dict[str, Contender] = {
             {"activation_checkpointing_policy": {Block}, "activation_checkpointing_mode": "selective"},
         ),
         Contender(
-            "flatshard_no_sync", "flatshard", _FS + "micro-batches but the last inside flatshard.no_sync"
+            "flatshard_no_sync",
+            "flatshard",
+            _FS + "micro-batches but the last inside flatshard.no_sync",
+            {"no_sync": True},
+        ),
+        Contender(
+            "flatshard_hybrid_no_sync",
+            "flatshard",
+            _FS + "HYBRID_SHARD, micro-batches but the last inside flatshard.no_sync (one all-reduce across "
+            "replicas per optimizer step)",
+            {"strategy": "HYBRID_SHARD", "no_sync": True},
+        ),
+        Contender(
+            "flatshard_node_copy",
+            "flatshard",
+            _FS + "FULL_SHARD, reshard_after_forward=<--ranks-per-node> (backward gathers inside a node)",
+            {"node_copy": True},
         ),
         Contender(
             "flatshard_no_prefetch", "flatshard", _FS + "backward_prefetch=None", {"backward_prefetch": None}
@@ -248,6 +264,10 @@ def wrap(name: str, model: torch.nn.Module, cfg: dict[str, Any], device: torch.d
                 opts[key] = c.options[key]
         if opts["sharding_strategy"].startswith("HYBRID"):
             opts["shard_group_size"] = cfg["shard_group_size"]
+        if c.options.get("node_copy"):
+            if not cfg.get("ranks_per_node"):
+                raise ValueError(f"{name} keeps a copy per node. HINT: give --ranks-per-node R")
+            opts["reshard_after_forward"] = cfg["ranks_per_node"]
         if mixed:
             opts["mixed_precision"] = flatshard.MixedPrecision(param_dtype=mixed[0], reduce_dtype=mixed[1])
         flatshard.shard(model, auto_wrap_policy={Block}, **opts)
@@ -308,8 +328,9 @@ def wrap(name: str, model: torch.nn.Module, cfg: dict[str, Any], device: torch.d
 
 def accumulating(name: str, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
     """The context a micro-batch before the last runs in: gradients kept unreduced where the contender's users
-    do that (``flatshard_no_sync``, DDP), a plain backward otherwise (each one reduce-scatters)."""
-    if name == "flatshard_no_sync":
+    do that (``flatshard_no_sync``, ``flatshard_hybrid_no_sync``, DDP), a plain backward otherwise (each one
+    reduces fully: under hybrid sharding a reduce-scatter in the shard group and an all-reduce across replicas)."""
+    if get(name).options.get("no_sync"):
         import flatshard
 
         return flatshard.no_sync(model)

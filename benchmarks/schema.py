@@ -91,8 +91,8 @@ class Report:
         for key in ("scenario", "preset"):
             if not _NAME.match(getattr(self, key).replace("_", "-")):
                 bad.append(f"{key} {getattr(self, key)!r} (lower case, digits, '-', '.', '_')")
-        if self.variant and not _NAME.match(self.variant):
-            bad.append(f"variant {self.variant!r} (lower case, digits, '-', '.')")
+        if self.variant and not _NAME.match(self.variant.replace("_", "-")):  # parts joined by "_"
+            bad.append(f"variant {self.variant!r} (lower case, digits, '-', '.', '_')")
         for key in ("date", "command"):
             if not getattr(self, key):
                 bad.append(f"{key} is empty")

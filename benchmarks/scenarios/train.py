@@ -2,9 +2,12 @@
 
 Every contender trains the same GPT from the same seed on the same batches, in fresh ranks of its own. A step is
 ``barrier -> t0 -> forward -> cross-entropy -> backward -> optimizer.step() -> zero_grad() -> t1`` (``--micro-batches
-M``: M forward/backward pairs, the loss divided by M; ``flatshard_no_sync`` and DDP keep all but the last out of the
-reduction). Losses are checked against DDP's (else the first contender's) before anything is compared; rows that
-train in float8 (``--float8``, the ``*_float8`` contenders) against the first float8 row (DDP's if it has one).
+M``: M forward/backward pairs, the loss divided by M; ``flatshard_no_sync``, ``flatshard_hybrid_no_sync`` and DDP
+keep all but the last out of the reduction). ``--ranks-per-node R`` plays nodes of R ranks: bytes per process group
+split into intra-node and cross-node, and a modelled step time with the cross-node bytes over a link of
+``--cross-node-gbps`` (``benchmarks/nodes.py``). Losses are checked against DDP's (else the first contender's)
+before anything is compared; rows that train in float8 (``--float8``, the ``*_float8`` contenders) against the
+first float8 row (DDP's if it has one).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import contenders as reg
+from .. import nodes
 from ..measure import (
     MemoryPoller,
     cpu_s,
@@ -40,7 +44,17 @@ from . import add_gpt_arguments, check_against, failed, gpt_config, interleaved
 PRESETS = ("cpu-small", "cpu-large", "cuda-1b", "tiny")
 CONTENDERS = tuple(n for n, c in reg.REGISTRY.items() if c.family in ("flatshard", "fsdp1", "fsdp2", "ddp"))
 DEFAULT_CONTENDERS = ("flatshard", "fsdp1", "fsdp2", "ddp", "flatshard_grad_op")
-RATIOS = ("step_s", "peak_rss_mib", "cuda_max_allocated_mib", "reduce_mib", "cross_group_mib")
+RATIOS = (
+    "step_s",
+    "peak_rss_mib",
+    "cuda_max_allocated_mib",
+    "reduce_mib",
+    "cross_group_mib",
+    "intra_node_mib",
+    "cross_node_mib",
+    "cross_node_link_mib",
+    "modelled_step_s",
+)
 COLUMNS = [
     Column("median step s", "step_s", ".4f"),
     Column("slowest rank s", "slowest_rank_step_s", ".4f"),
@@ -73,9 +87,30 @@ PANELS = [
     Panel("peak RSS per rank, MiB", ("peak_rss_mib",)),
 ]
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+# --ranks-per-node: the table of cross-node traffic (per-rank memory stays in the JSON: 8 ranks make wide cells)
+NODE_COLUMNS = [
+    Column("median step s", "step_s", ".4f"),
+    Column("slowest rank s", "slowest_rank_step_s", ".4f"),
+    Column("CPU s/step r0", "cpu_s_per_step", ".2f"),
+    Column("intra-node MiB/step", "intra_node_mib", ".2f"),
+    Column("cross-node MiB/step", "cross_node_mib", ".2f"),
+    Column("cross-node all-gather fwd", "cross_node_all_gather_forward_mib", ".2f"),
+    Column("all-gather bwd", "cross_node_all_gather_backward_mib", ".2f"),
+    Column("reduce-scatter", "cross_node_reduce_scatter_mib", ".2f"),
+    Column("all-reduce", "cross_node_all_reduce_mib", ".2f"),
+    Column("link MiB/step (model)", "cross_node_link_mib", ".2f"),
+    Column("link s (model)", "link_s", ".4f"),
+    Column("modelled step s", "modelled_step_s", ".4f"),
+    Column("final loss", "final_loss", ".5f"),
+    Column("flatshard ÷ this: time", "÷step_s", ".3f"),
+    Column("modelled time", "÷modelled_step_s", ".3f"),
+    Column("this ÷ flatshard: cross-node bytes", "/cross_node_mib", ".3f"),
+]
 
 
 def columns(rows: list[Row]) -> list[Column]:
+    if any("cross_node_mib" in r.metrics for r in rows if r.ok):
+        return NODE_COLUMNS
     hybrid = any(reg.get(r.contender).options.get("strategy", "").startswith("HYBRID") for r in rows)
     present = [c for c in OPTIONAL if any(c.key in r.metrics for r in rows if r.ok)]
     return COLUMNS[:-3] + [c for c in present if hybrid or c.key != "cross_group_mib"] + COLUMNS[-3:]
@@ -92,7 +127,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--reduce-dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument(
-        "--micro-batches", type=int, default=1, help="gradient accumulation: micro-batches per step"
+        "--micro-batches",
+        type=int,
+        default=None,
+        help="gradient accumulation: micro-batches per step (default 1; 4 with --ranks-per-node)",
     )
     p.add_argument(
         "--optimizer", choices=["adamw", "muon"], default="adamw", help="muon: Muon on the blocks' matrices"
@@ -115,7 +153,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="one device's dense peak, for MFU (default on CUDA: the GPU's bf16 peak; on CPU: no MFU)",
     )
-    p.add_argument("--shard-group-size", type=int, default=2, help="the hybrid contenders' shard group")
+    p.add_argument(
+        "--shard-group-size",
+        type=int,
+        default=None,
+        help="the hybrid contenders' shard group (default: --ranks-per-node, else 2)",
+    )
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        metavar="R",
+        help="play nodes of R ranks (node = rank // R): bytes per step intra-node and cross-node, a modelled "
+        "step time; flatshard_node_copy keeps its copy over a node",
+    )
+    p.add_argument(
+        "--cross-node-gbps",
+        type=float,
+        default=25.0,
+        help="with --ranks-per-node: the modelled cross-node bandwidth per rank, Gbit/s (default 25: a "
+        "200 Gbit/s card shared by 8 GPUs)",
+    )
     p.add_argument("--poll-memory", action="store_true", help="private and node memory, sampled every 5 ms")
     p.add_argument(
         "--timeline", action="store_true", help="flatshard: how much communication hides behind compute"
@@ -136,16 +194,20 @@ def configure(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     cuda = cfg["device"] == "cuda"
     if cuda and args.world_size is None:
         cfg["world_size"] = torch.cuda.device_count()
+    rpn = _ranks_per_node(args, cfg)
+    micro_batches = args.micro_batches or (4 if rpn else 1)
     cfg.update(
         backend=args.backend or ("nccl" if cuda else "gloo"),
         precision=args.precision or ("bf16-mixed" if cuda else "fp32"),
         reduce_dtype=args.reduce_dtype,
-        micro_batches=args.micro_batches,
+        micro_batches=micro_batches,
         optimizer=args.optimizer,
         lora=args.lora,
         base_dtype=args.base_dtype,
         compile_kwargs={"backend": args.compile_backend},
-        shard_group_size=args.shard_group_size,
+        shard_group_size=args.shard_group_size or rpn or 2,
+        ranks_per_node=rpn,
+        cross_node_gbps=args.cross_node_gbps,
         poll_memory=args.poll_memory,
         timeline=args.timeline,
         count_activations=args.count_activations,
@@ -166,12 +228,33 @@ def configure(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     parts = [f"lora{args.lora}" if args.lora else "", "bf16base" if args.base_dtype == "bf16" else ""]
     parts += [
         "muon" if args.optimizer == "muon" else "",
-        f"m{args.micro_batches}" if args.micro_batches > 1 else "",
+        f"m{micro_batches}" if micro_batches > 1 else "",
     ]
     parts += [f"w{cfg['world_size']}" if args.world_size and not cuda and args.world_size != 2 else ""]
+    parts += [f"nodes{cfg['world_size'] // rpn}x{rpn}" if rpn else ""]
     parts += [f"mmap{args.malloc_mmap_threshold // 1024}k" if args.malloc_mmap_threshold else ""]
     parts += ["float8" if args.float8 else ""]
     return cfg, "_".join(p for p in parts if p)
+
+
+def _ranks_per_node(args: argparse.Namespace, cfg: dict[str, Any]) -> int | None:
+    """``--ranks-per-node``, checked against the world size; refuse ``flatshard_node_copy`` without it."""
+    rpn, world = args.ranks_per_node, cfg["world_size"]
+    names = [c.strip() for c in args.contenders.split(",")]
+    if rpn is None:
+        if any(reg.get(c).options.get("node_copy") for c in names if c in reg.REGISTRY):
+            raise SystemExit(
+                "flatshard_node_copy keeps its backward copy over a node. HINT: give --ranks-per-node R"
+            )
+        return None
+    if rpn < 1 or world % rpn or world == rpn:
+        raise SystemExit(
+            f"--ranks-per-node {rpn} with --world-size {world}: the ranks must make at least 2 nodes of "
+            f"{rpn}. HINT: a --world-size that is a multiple of R and at least 2 R (e.g. {2 * max(rpn, 1)})"
+        )
+    if args.cross_node_gbps <= 0:
+        raise SystemExit(f"--cross-node-gbps {args.cross_node_gbps}: a bandwidth must be positive")
+    return int(rpn)
 
 
 def _check_float8(args: argparse.Namespace, cfg: dict[str, Any]) -> None:
@@ -275,15 +358,29 @@ def train_rank(rank: int, world: int, name: str, cfg: dict[str, Any]) -> dict[st
         with torch.autocast(device.type, dtype=torch.bfloat16) if mixed else contextlib.nullcontext():
             return F.cross_entropy(model(idx).float().view(-1, vocab), tgt.view(-1))
 
+    # --ranks-per-node: flatshard's bytes per process group, by phase (DDP, FSDP1/2 count none)
+    by_group = (
+        nodes.GroupBytes(rank, cfg["ranks_per_node"])
+        if cfg.get("ranks_per_node") and flatshard_family
+        else None
+    )
+
+    def mark(phase: str) -> None:
+        if by_group is not None:
+            by_group.mark(phase)
+
     def step(i: int) -> torch.Tensor:
         total = torch.zeros((), device=device)
         for k in range(m):
             with reg.accumulating(name, model) if k < m - 1 else contextlib.nullcontext():
                 loss = loss_of(*batches[i * m + k]) / m
+                mark("forward")
                 loss.backward()
+                mark("backward")
             total += loss.detach()
         opt.step()
         reg.after_optimizer_step(name, model, cfg)
+        mark("step")
         opt.zero_grad(set_to_none=True)
         return total
 
@@ -295,12 +392,15 @@ def train_rank(rank: int, world: int, name: str, cfg: dict[str, Any]) -> dict[st
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     poller = MemoryPoller(pids, shmem_base) if cfg["poll_memory"] and rank == 0 else contextlib.nullcontext()
-    times, cpus, comms, overlaps, losses = [], [], [], [], []
+    times, cpus, comms, overlaps, losses, node_bytes = [], [], [], [], [], []
     with poller:
         for i in range(cfg["warmup"] + cfg["steps"]):
             timed = i >= cfg["warmup"]
             reg.barrier(device)
             comm.comm_stats.clear()
+            if by_group is not None:
+                by_group.mark("step")  # the barrier's bytes, if any, belong to no step
+                by_group.take()
             c0, t0 = cpu_s(), time.perf_counter()
             with comm.timeline() if timed and cfg["timeline"] else contextlib.nullcontext([]) as records:
                 t0_ns = time.perf_counter_ns()
@@ -312,9 +412,13 @@ def train_rank(rank: int, world: int, name: str, cfg: dict[str, Any]) -> dict[st
                 times.append(time.perf_counter() - t0)
                 cpus.append(cpu_s() - c0)
                 comms.append(dict(comm.comm_stats))
+                if by_group is not None:
+                    node_bytes.append(by_group.take())
                 if records:
                     overlaps.append(_overlap(records, t1_ns - t0_ns))
     info.update(step_s=times, cpu_s=cpus, comm_bytes=comms, overlap=overlaps, peak_rss_mib=hwm_mib())
+    if by_group is not None:
+        info["node_bytes"] = node_bytes
     info["train_rss_increase_mib"] = info["peak_rss_mib"] - info["rss_after_setup_mib"]
     info["shared_pages_twice_mib"] = shared_pages_counted_twice_mib()
     if isinstance(poller, MemoryPoller):
@@ -406,6 +510,8 @@ def summarize(name: str, runs: list[list[dict[str, Any]]], cfg: dict[str, Any]) 
         if world > cfg["shard_group_size"]:
             hybrid = reg.get(name).options.get("strategy", "").startswith("HYBRID")
             metrics["cross_group_mib"] = (sent["all_reduce"] if hybrid else sum(sent.values())) / 2**20
+    if last[0].get("node_bytes"):
+        metrics.update(node_metrics(last[0]["node_bytes"], step, cfg["cross_node_gbps"]))
     kept = ("trainable_params", "saved_activations_mib", "held_activations_mib")
     for key in (*kept, "cuda_max_allocated_mib", "cuda_alloc_retries"):
         if key in last[0]:
@@ -422,6 +528,29 @@ def summarize(name: str, runs: list[list[dict[str, Any]]], cfg: dict[str, Any]) 
         metrics["mfu"] = metrics["tokens_per_s"] * metrics["flops_per_token"] / peak
     metrics["float8"] = reg.float8(name, cfg)
     return Row(name=name, contender=name, metrics=metrics, runs=runs)
+
+
+def node_metrics(per_step: list[dict[str, float]], step_s: float, gbps: float) -> dict[str, float]:
+    """``--ranks-per-node``: one rank's bytes per optimizer step (the median over the timed steps), intra-node and
+    cross-node, the cross-node ones by collective and phase, and the link model (see [Note: the cross-node link
+    model] in ``benchmarks/nodes.py``): ``modelled_step_s = step_s + link_s``."""
+
+    def mib(scope: str, phase: str | None = None, kind: str | None = None) -> float:
+        return (median([nodes.summed(s, scope, phase, kind) for s in per_step]) or 0.0) / 2**20
+
+    link = median([s.get("cross_node_link", 0.0) for s in per_step]) or 0.0
+    out = {
+        "intra_node_mib": mib("intra_node"),
+        "cross_node_mib": mib("cross_node"),
+        "cross_node_all_gather_forward_mib": mib("cross_node", "forward", "all_gather"),
+        "cross_node_all_gather_backward_mib": mib("cross_node", "backward", "all_gather"),
+        "cross_node_reduce_scatter_mib": mib("cross_node", None, "reduce_scatter"),
+        "cross_node_all_reduce_mib": mib("cross_node", None, "all_reduce"),
+        "cross_node_link_mib": link / 2**20,
+        "link_s": nodes.link_s(link, gbps),
+    }
+    out["modelled_step_s"] = step_s + out["link_s"]
+    return out
 
 
 # the dense bf16 peak (FLOP/s, no sparsity) by device name; the first name found in the device's name counts
@@ -508,6 +637,18 @@ def run(cfg: dict[str, Any], contenders: list[str]) -> tuple[list[Row], list[str
     if any("all_reduce_mib" in r.metrics for r in rows):
         notes.append(
             "bytes per collective: what rank 0 passed into flatshard's collectives per step (input size)"
+        )
+    if cfg.get("ranks_per_node"):
+        rpn, world = cfg["ranks_per_node"], cfg["world_size"]
+        notes.append(
+            f"nodes: {world // rpn} x {rpn} ranks (node = rank // {rpn}); MiB per optimizer step of rank 0, as "
+            "flatshard counts them per process group (a collective's input); intra-node: groups inside one "
+            "node, cross-node: groups spanning nodes; DDP's own reducer is not counted"
+        )
+        notes.append(
+            f"modelled step = measured step + link s: a MODEL, not a measurement. Link MiB: rank 0's share of "
+            f"its node's cross-node ring links (benchmarks/nodes.py), at {cfg['cross_node_gbps']:g} Gbit/s per "
+            "rank, no overlap"
         )
     if any(r.ok and not all(x["hwm_reset"] for x in r.runs[-1]) for r in rows):
         notes.append("VmHWM could not be reset: peak RSS is the process-lifetime peak")

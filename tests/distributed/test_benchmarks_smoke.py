@@ -58,3 +58,30 @@ def test_train_float8_rows_run_and_agree_with_each_other(tmp_path: Path) -> None
     saved = (plain.metrics["all_gather_mib"] - ours.metrics["all_gather_mib"]) * 2**20
     assert saved == pytest.approx(3 * 2 * (2 * 49152 // 2))
     assert "flatshard_float8 ÷ fsdp2_float8" in report.ratios
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_train_cross_node_rows_on_two_nodes_of_two(tmp_path: Path) -> None:
+    """4 ranks as 2 nodes x 2, 4 micro-batches: every row agrees with DDP's losses; the hybrid row that syncs once
+    per optimizer step sends 1/4 of the cross-node all-reduce bytes of the one that syncs every micro-batch; the
+    node-local copy gathers nothing across nodes in backward; the modelled step adds the link time."""
+    rows = "flatshard,flatshard_node_copy,flatshard_hybrid,flatshard_hybrid_no_sync,ddp"
+    argv = ["train", "--preset", "tiny", "--world-size", "4", "--ranks-per-node", "2", "--contenders", rows]
+    argv += ["--steps", "1", "--warmup", "0"]
+    run_script([sys.executable, "-m", "benchmarks", *argv, "--out", str(tmp_path)], REPO, 540)
+    report = Report.from_json((tmp_path / "train_tiny_m4_w4_nodes2x2.json").read_text())
+    assert all(r.ok and r.check["against"] == "ddp" for r in report.rows), [
+        (r.name, r.check) for r in report.rows
+    ]
+    full, copy, every, once, ddp = (r.metrics for r in report.rows)
+    assert once["cross_node_all_reduce_mib"] * 4 == every["cross_node_all_reduce_mib"] > 0
+    assert once["intra_node_mib"] == every["intra_node_mib"] > 0  # every micro-batch still reduce-scatters
+    assert full["cross_node_all_gather_backward_mib"] > 0 and full["intra_node_mib"] == 0
+    assert copy["cross_node_all_gather_backward_mib"] == 0 and copy["intra_node_mib"] > 0
+    assert copy["cross_node_all_gather_forward_mib"] == full["cross_node_all_gather_forward_mib"]
+    for m in (full, copy, every, once):
+        assert m["modelled_step_s"] == pytest.approx(m["step_s"] + m["link_s"]) and m["link_s"] > 0
+    assert "cross_node_mib" not in ddp  # DDP is the loss reference; its reducer is not counted
+    assert report.ratios["flatshard ÷ flatshard_hybrid_no_sync"]["cross_node_mib"] > 1
+    assert "modelled step s" in report.table

@@ -187,3 +187,92 @@ def test_train_pairs_each_flatshard_row_with_its_fsdp2_twin_and_counts_flops() -
         train.peak_flops(cfg) == 2 * 2e12
         and train.peak_flops(parse(["train", "--preset", "tiny"])[2]) is None
     )
+
+
+def test_nodes_scope_ring_links_and_link_time() -> None:
+    from benchmarks import nodes
+
+    assert nodes.scope([0, 1], 2) == "intra_node" and nodes.scope([0, 2], 2) == "cross_node"
+    assert nodes.scope(tuple(range(8)), 4) == "cross_node" and nodes.scope([4, 5, 6, 7], 4) == "intra_node"
+    # a ring over W ranks: each link carries (W-1)/W of the full buffer, twice that for an all-reduce
+    assert nodes.link_bytes("all_gather", 100, 4) == 300  # the input is one shard of 4
+    assert nodes.link_bytes("reduce_scatter", 400, 4) == 300
+    assert nodes.link_bytes("all_reduce", 100, 2) == 100 and nodes.link_bytes("all_reduce", 100, 1) == 0
+    with pytest.raises(ValueError, match="HINT: one of all_gather"):
+        nodes.link_bytes("broadcast", 1, 2)
+    # the world ring leaves each node once, shared by the node's ranks; a replicate pair leaves it from each rank
+    assert nodes.node_link_share(range(4), 0, 2) == 0.5 and nodes.node_link_share(range(8), 5, 4) == 0.25
+    assert nodes.node_link_share([1, 5], 5, 4) == 1.0 and nodes.node_link_share([0, 2, 4, 6], 2, 2) == 1.0
+    assert nodes.node_link_share([0, 1], 0, 2) == 0  # never leaves the node
+    assert nodes.link_s(25e9 / 8, 25.0) == pytest.approx(1.0)  # 25 Gbit/s: 3.125 GB in one second
+
+
+class _Group:
+    def __init__(self, ranks: list[int]) -> None:
+        from collections import Counter
+
+        self.ranks, self.sent = tuple(ranks), Counter()
+
+
+def test_group_bytes_splits_by_node_and_phase_and_feeds_the_modelled_step() -> None:
+    """4 ranks as 2 nodes of 2, rank 0's groups: its node's shard group and the replicate pair {0, 2}."""
+    from benchmarks import nodes
+    from benchmarks.scenarios.train import node_metrics
+
+    shard, replicate = _Group([0, 1]), _Group([0, 2])
+
+    class Bytes(nodes.GroupBytes):
+        @staticmethod
+        def _read() -> dict:
+            from collections import Counter
+
+            return {g: Counter(g.sent) for g in (shard, replicate)}
+
+    counts = Bytes(0, 2)
+    shard.sent["all_gather"] += 2**20
+    counts.mark("forward")
+    shard.sent.update({"all_gather": 2**20, "reduce_scatter": 4 * 2**20})
+    replicate.sent["all_reduce"] += 2 * 2**20
+    counts.mark("backward")
+    counts.mark("step")  # nothing new
+    got = counts.take()
+    assert got == {
+        "intra_node.forward.all_gather": 2**20,
+        "intra_node.backward.all_gather": 2**20,
+        "intra_node.backward.reduce_scatter": 4 * 2**20,
+        "cross_node.backward.all_reduce": 2 * 2**20,
+        "cross_node_link": 2 * 2**20,  # a pair's ring: each link carries the whole all-reduce input
+    }
+    assert counts.take() == {}
+    assert nodes.summed(got, "intra_node") == 6 * 2**20
+    assert nodes.summed(got, "intra_node", kind="all_gather") == 2 * 2**20
+    assert nodes.summed(got, "cross_node", "forward") == 0
+    metrics = node_metrics([got, got], step_s=1.5, gbps=8 * 2**21 / 1e9)  # 2 MiB/s
+    assert metrics["intra_node_mib"] == 6 and metrics["cross_node_mib"] == 2
+    assert metrics["cross_node_all_reduce_mib"] == 2 and metrics["cross_node_all_gather_backward_mib"] == 0
+    assert metrics["link_s"] == pytest.approx(1.0) and metrics["modelled_step_s"] == pytest.approx(2.5)
+
+
+def test_train_ranks_per_node_options_and_their_refusals() -> None:
+    argv = "train --preset tiny --world-size 8 --ranks-per-node 4 --contenders flatshard,flatshard_node_copy"
+    _, _, cfg, _, variant = parse(argv.split())
+    assert cfg["ranks_per_node"] == 4 and cfg["shard_group_size"] == 4 and cfg["micro_batches"] == 4
+    assert cfg["cross_node_gbps"] == 25.0 and variant == "m4_w8_nodes2x4"
+    assert parse(["train", "--micro-batches", "2"])[2]["shard_group_size"] == 2
+    assert (
+        parse(["train", "--world-size", "4", "--ranks-per-node", "2", "--micro-batches", "1"])[4]
+        == "w4_nodes2x2"
+    )
+    assert contenders.get("flatshard_hybrid_no_sync").options == {"strategy": "HYBRID_SHARD", "no_sync": True}
+    with pytest.raises(SystemExit, match="HINT: give --ranks-per-node R"):
+        parse(["train", "--contenders", "flatshard,flatshard_node_copy"])
+    for bad in (["--world-size", "6", "--ranks-per-node", "4"], ["--ranks-per-node", "2"]):
+        with pytest.raises(
+            SystemExit, match="at least 2 nodes of .* HINT: a --world-size that is a multiple"
+        ):
+            parse(["train", *bad])
+    with pytest.raises(SystemExit, match="must be positive"):
+        parse(["train", "--world-size", "4", "--ranks-per-node", "2", "--cross-node-gbps", "0"])
+    report = _report([_row("flatshard", 0.5)])
+    report.variant = variant  # parts joined by "_" follow the schema
+    assert Report.from_json(report.to_json()).stem == "train_cpu-small_m4_w8_nodes2x4"
