@@ -71,6 +71,16 @@ def _batch(step: int, world: int) -> torch.Tensor:
     return torch.randn(PER_RANK * world, 32, generator=torch.Generator().manual_seed(10 + step))
 
 
+def ddp_backward(reference: nn.Module, x: torch.Tensor, world: int) -> float:
+    """The reference's backward on this rank's batch, its gradients averaged over the ranks (DDP); its loss."""
+    loss = reference(x).square().mean()
+    loss.backward()
+    for p in reference.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    return loss.item()
+
+
 def _train_pair(rank: int, world: int, recipe: str, options: dict[str, Any]) -> dict[str, Any]:
     model = _float8_model(recipe)
     reference = copy.deepcopy(model)
@@ -90,14 +100,10 @@ def _train_pair(rank: int, world: int, recipe: str, options: dict[str, Any]) -> 
         loss.backward()
         opt.step()
         opt.zero_grad()
-        ref_loss = reference(x).square().mean()
-        ref_loss.backward()
-        for p in reference.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= world
+        ref_loss = ddp_backward(reference, x, world)
         ref_opt.step()
         ref_opt.zero_grad()
-        loss_diff = max(loss_diff, abs(loss.item() - ref_loss.item()))
+        loss_diff = max(loss_diff, abs(loss.item() - ref_loss))
     stats = dict(comm.comm_stats)
     full, _ = flatshard.get_state_dict(model, rank0_only=False)
     expected = reference.state_dict()
@@ -281,14 +287,10 @@ def _compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
             loss.backward()
             opt.step()
             opt.zero_grad()
-            ref_loss = reference(x).square().mean()
-            ref_loss.backward()
-            for p in reference.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= world
+            ref_loss = ddp_backward(reference, x, world)
             ref_opt.step()
             ref_opt.zero_grad()
-            diff = max(diff, abs(loss.item() - ref_loss.item()))
+            diff = max(diff, abs(loss.item() - ref_loss))
             watch.step()
     return {"loss": diff, **watch.summary()}
 
@@ -323,15 +325,11 @@ def _muon(rank: int, world: int) -> dict[str, float]:
         x = _batch(step, world)[mine]
         loss = model(x).square().mean()
         loss.backward()
-        ref_loss = reference(x).square().mean()
-        ref_loss.backward()
-        for p in reference.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= world
+        ref_loss = ddp_backward(reference, x, world)
         for o in (*opts, *ref_opts):
             o.step()
             o.zero_grad()
-        diff = max(diff, abs(loss.item() - ref_loss.item()))
+        diff = max(diff, abs(loss.item() - ref_loss))
     full, _ = flatshard.get_state_dict(model, rank0_only=False)
     return {
         "loss": diff,

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.fabric import Fabric
 
 import flatshard
@@ -23,7 +22,7 @@ STEPS = 3
 
 
 def _train(rank: int, world: int, tmp: str) -> dict[str, Any]:
-    from tests.distributed.test_float8 import PER_RANK, Block, _batch, _float8_model
+    from tests.distributed.test_float8 import PER_RANK, Block, _batch, _float8_model, ddp_backward
 
     model = _float8_model("tensorwise")
     reference = copy.deepcopy(model)
@@ -46,14 +45,10 @@ def _train(rank: int, world: int, tmp: str) -> dict[str, Any]:
         fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-        ref_loss = reference(x).square().mean()
-        ref_loss.backward()
-        for p in reference.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= world
+        ref_loss = ddp_backward(reference, x, world)
         ref_opt.step()
         ref_opt.zero_grad()
-        diff = max(diff, abs(loss.item() - ref_loss.item()))
+        diff = max(diff, abs(loss.item() - ref_loss))
     path = os.path.join(tmp, "fabric.ckpt")
     fabric.save(path, {"model": model})
     weights, _ = flatshard.get_state_dict(model, rank0_only=False)
