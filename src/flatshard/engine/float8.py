@@ -68,9 +68,8 @@ def float8_weight_config(module: nn.Module, name: str) -> Float8WeightConfig | N
     """The float8 gather of ``module``'s parameter ``name``: set for the weight of a torchao ``Float8Linear``
     whose config enables ``enable_fsdp_float8_all_gather``, else ``None``. Raises for a configuration that asks
     for a float8 all-gather flatshard cannot do."""
-    linear_module = sys.modules.get(
-        _LINEAR_MODULE
-    )  # no Float8Linear exists before torchao.float8 is imported
+    # no Float8Linear exists before torchao.float8 is imported
+    linear_module = sys.modules.get(_LINEAR_MODULE)
     if linear_module is None or name != "weight" or not isinstance(module, linear_module.Float8Linear):
         return None
     config = module.config
@@ -161,7 +160,7 @@ class Float8Weights:
                 continue
             lo, hi = info.offset_in_shard, info.offset_in_shard + info.numel_in_shard
             # torchao's cast: upcast, scale, saturate, convert (hp_tensor_and_scale_to_float8)
-            scaled = shard[lo:hi].to(torch.float32) * scales[i].to(shard.device)
+            scaled = shard[lo:hi].to(torch.float32) * scales[i]
             out[lo:hi].copy_(scaled.clamp_(-top, top))
             end = max(end, hi)
         if end < out.numel():
@@ -178,7 +177,7 @@ class Float8Weights:
         return [
             Float8TrainingTensor(
                 v,
-                scales[i].to(v.device),
+                scales[i],
                 dtype,
                 self.configs[i].mm_config,
                 gemm_input_role=GemmInputRole.WEIGHT,
@@ -192,17 +191,18 @@ class Float8Scales:
     Owned by the root's :class:`~flatshard.engine.runtime.RootContext` (see [Note: float8 all-gathers])."""
 
     def __init__(self, handles: Sequence[Any]) -> None:
-        self.handles = [h for h in handles if h.float8 is not None]
+        by_group: dict[int, list[Any]] = {}
+        for h in handles:
+            if h.float8 is not None:
+                by_group.setdefault(id(h.shard_group), []).append(h)
+        self.groups = list(by_group.values())  # the float8 flat parameters of each shard group
 
     def __bool__(self) -> bool:
-        return bool(self.handles)
+        return bool(self.groups)
 
     def refresh(self, step: int = 0) -> None:
         """Every float8 weight's scale from the current shards."""
-        by_group: dict[int, list[Any]] = {}
-        for h in self.handles:
-            by_group.setdefault(id(h.shard_group), []).append(h)
-        for members in by_group.values():
+        for members in self.groups:
             refresh_scales(members, step)
 
 

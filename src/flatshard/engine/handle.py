@@ -430,11 +430,15 @@ class FlatParamHandle(UnitGradients):
         ):  # _flat's storage object lives as long as the unit: [Note: freeing gathered storage]
             cached = self._flat_views = split_flat(self._flat.detach(), self.layout)
         views: list[torch.Tensor] = list(cached)
-        if self.float8 is not None:  # see [Note: float8 all-gathers]
-            views = self.float8.wrap(views, range(len(views)), self.precision.compute)
+        untracked: Sequence[int] = range(len(views))
         if torch.is_grad_enabled() and self.any_requires_grad:
             tracked = _UnflattenViews.apply(self.grad_anchor, self._flat, self)
             for i, view in zip(self._trainable, tracked, strict=True):
+                views[i] = view
+            untracked = [i for i, r in enumerate(self.requires_grad) if not r]
+        if self.float8 is not None and untracked:  # tracked ones come wrapped: see [Note: float8 all-gathers]
+            wrapped = self.float8.wrap([views[i] for i in untracked], untracked, self.precision.compute)
+            for i, view in zip(untracked, wrapped, strict=True):
                 views[i] = view
         for i, view in enumerate(views):
             for module, name in self.aliases[i]:

@@ -439,8 +439,8 @@ def no_sync(module: nn.Module, enabled: bool = True) -> Iterator[None]:
             h.sync_grads = value
 
 
-def _units_for(module: nn.Module, recurse: bool, what: str) -> list[Any]:
-    """The handles of ``module``'s own unit (``recurse=False``) or of every unit at or below it."""
+def _units_for(module: nn.Module, recurse: bool, what: str) -> list[UnitState]:
+    """``module``'s own unit (``recurse=False``) or every unit at or below it."""
     states = unit_states(module) if recurse else [s for s in [get_unit_state(module)] if s is not None]
     if not states:
         raise ValueError(
@@ -448,7 +448,7 @@ def _units_for(module: nn.Module, recurse: bool, what: str) -> list[Any]:
             + (" that is a unit itself (recurse=False)" if not recurse and unit_states(module) else "")
             + f", and {type(module).__name__} is not one. HINT: pass the sharded model (or one of its units)."
         )
-    return [h for s in states for h in s.handles]
+    return states
 
 
 def set_requires_gradient_sync(
@@ -467,8 +467,9 @@ def set_requires_gradient_sync(
         requires_gradient_sync: reduce (``True``, the default state) or accumulate.
         recurse: every unit at or below ``module`` (default), or ``module``'s own unit only.
     """
-    for h in _units_for(module, recurse, "set_requires_gradient_sync"):
-        h.sync_grads = bool(requires_gradient_sync)
+    for state in _units_for(module, recurse, "set_requires_gradient_sync"):
+        for h in state.handles:
+            h.sync_grads = bool(requires_gradient_sync)
 
 
 def set_requires_all_reduce(module: nn.Module, requires_all_reduce: bool, *, recurse: bool = True) -> None:
@@ -484,8 +485,9 @@ def set_requires_all_reduce(module: nn.Module, requires_all_reduce: bool, *, rec
         requires_all_reduce: all-reduce across replicas (``True``, the default state) or wait.
         recurse: every unit at or below ``module`` (default), or ``module``'s own unit only.
     """
-    for h in _units_for(module, recurse, "set_requires_all_reduce"):
-        h.all_reduce_grads = bool(requires_all_reduce)
+    for state in _units_for(module, recurse, "set_requires_all_reduce"):
+        for h in state.handles:
+            h.all_reduce_grads = bool(requires_all_reduce)
 
 
 def _set_reshard(unit: UnitState, value: bool | int | None) -> None:
@@ -522,8 +524,5 @@ def set_reshard_after_forward(module: nn.Module, value: bool | int | None, *, re
         value: ``True``, ``False``, an int dividing the shard group size, or ``None``.
         recurse: every unit at or below ``module`` (default), or ``module``'s own unit only.
     """
-    states = unit_states(module) if recurse else [s for s in [get_unit_state(module)] if s is not None]
-    if not states:
-        _units_for(module, recurse, "set_reshard_after_forward")  # raises with the hint
-    for state in states:
+    for state in _units_for(module, recurse, "set_reshard_after_forward"):
         _set_reshard(state, value)

@@ -140,9 +140,8 @@ def begin_join(module: nn.Module) -> JoinState | None:
     if root.ctx is None or root.ctx.root is not root:
         root._lazy_init()
     assert root.ctx is not None
-    if (
-        root.ctx.float8
-    ):  # every rank is here together: the forwards inside use these (see [Note: float8 all-gathers])
+    # every rank is here together: the forwards inside use these scales (see [Note: float8 all-gathers])
+    if root.ctx.float8:
         root.ctx.float8.refresh(root.ctx.step)
     root.join = state
     return state

@@ -186,15 +186,10 @@ def hybrid_groups(k: int) -> tuple[Any, Any]:
 
 
 def node_local_group(shard_group: Any, k: int) -> Any:
-    """This rank's group of ``k`` consecutive ranks of its shard group (see ``reshard_after_forward``), cached by
-    the default group. Collective over every rank: each one's shard group is exchanged, and every such group of
-    every shard group is created in the same order on all ranks."""
+    """This rank's group of ``k`` consecutive ranks of its shard group (see ``reshard_after_forward``; ``k``
+    divides the shard group's size), cached by the default group. Collective over every rank: each one's shard
+    group is exchanged, and every such group of every shard group is created in the same order on all ranks."""
     world_ranks = tuple(dist.get_process_group_ranks(shard_group))
-    if k < 1 or len(world_ranks) % k != 0:
-        raise ValueError(
-            f"reshard_after_forward={k} does not divide the shard group size {len(world_ranks)}. HINT: use a "
-            f"divisor of {len(world_ranks)} (the ranks per node), True or False."
-        )
     world_state = state_of(None)
     made = world_state.node_local  # kept by the default group, and dropped with it
     key = (k, world_ranks)
