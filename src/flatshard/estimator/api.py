@@ -309,7 +309,7 @@ def _ranks_per_node(opts: EstimateOptions, m: Measured) -> int:
     return min(8, m.world)
 
 
-def _cross_node(m: Measured, layout_groups: GroupBytes, micro_batches: int, rpn: int) -> int:
+def _cross_node(groups: GroupBytes, micro_batches: int, rpn: int) -> int:
     """Bytes rank 0 puts on the links of groups whose ranks lie on more than one node, per optimizer step.
 
     [Note: bytes between nodes]
@@ -325,7 +325,7 @@ def _cross_node(m: Measured, layout_groups: GroupBytes, micro_batches: int, rpn:
     against real ranks exactly.
     """
     total = 0.0
-    for role, ranks, kinds in m.group_bytes or layout_groups:
+    for role, ranks, kinds in groups:
         if len({r // rpn for r in ranks}) < 2:
             continue
         w = len(ranks)
@@ -439,6 +439,7 @@ def _row(m: Measured, opts: EstimateOptions) -> RankEstimate:
         peak = m.peak + lag + overhead
         activations = m.activations
         comm = dict(m.comm)
+        groups = m.group_bytes
         known = m.params + m.grads + m.optimizer + m.buffers + gathered + (activations or 0)
         other = max(0, m.peak - known)
     else:
@@ -448,7 +449,7 @@ def _row(m: Measured, opts: EstimateOptions) -> RankEstimate:
         )
         other = grad_in_flight
         activations = None
-        comm, layout_groups = _layout_comm(layouts, shard_opts.reshard_root_after_forward)
+        comm, groups = _layout_comm(layouts, shard_opts.reshard_root_after_forward)
         peak = m.params + m.grads + m.optimizer + m.buffers + gathered + other + lag + overhead
         notes.append("no example batch: activations not counted, gathered units from the schedule rules")
     activations, peak, activations_host = _offload_activations(m, opts, activations, peak, notes)
@@ -473,18 +474,11 @@ def _row(m: Measured, opts: EstimateOptions) -> RankEstimate:
             "CPU offload: shards, gradient shards and optimizer state in host memory (derived, not measured)"
         )
     host += activations_host
-    by_group = {
-        "shard": comm.get("all_gather", 0) + comm.get("reduce_scatter", 0),
-        "replicate": comm.get("all_reduce", 0),
-    }
-    if m.peak is not None:
-        layout_groups = []
-    if m.group_bytes or layout_groups:  # counted per group in the measured step, or from the layout
-        by_group = {}
-        for role, _, kinds in m.group_bytes or layout_groups:
-            by_group[role] = by_group.get(role, 0) + sum(kinds.values())
+    by_group: dict[str, int] = {}  # counted by each group in the measured step, or from the layout
+    for role, _, kinds in groups:
+        by_group[role] = by_group.get(role, 0) + sum(kinds.values())
     rpn = _ranks_per_node(opts, m)
-    cross = _cross_node(m, layout_groups, opts.micro_batches, rpn)
+    cross = _cross_node(groups, opts.micro_batches, rpn)
     row = RankEstimate(
         world_size=m.world,
         shard_group_size=m.shard_group_size,
