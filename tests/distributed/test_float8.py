@@ -81,19 +81,15 @@ def ddp_backward(reference: nn.Module, x: torch.Tensor, world: int) -> float:
     return loss.item()
 
 
-def _train_pair(rank: int, world: int, recipe: str, options: dict[str, Any]) -> dict[str, Any]:
-    model = _float8_model(recipe)
-    reference = copy.deepcopy(model)
-    flatshard.shard(model, auto_wrap_policy={Block}, **options)
-    seen: list[tuple[str, str]] = []
-    model.blocks[0].up.register_forward_pre_hook(
-        lambda m, _: seen.append((type(m.weight).__name__, str(getattr(m.weight, "_data", m.weight).dtype)))
-    )
+def _train_beside(
+    model: nn.Module, reference: nn.Module, rank: int, world: int, after_step: Any = None
+) -> float:
+    """``STEPS`` AdamW steps of the sharded model on this rank's batch beside the DDP reference (``after_step``
+    called after each); the largest difference of their losses."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-    loss_diff = 0.0
-    comm.comm_stats.clear()
+    diff = 0.0
     for step in range(STEPS):
         x = _batch(step, world)[mine]
         loss = model(x).square().mean()
@@ -103,7 +99,22 @@ def _train_pair(rank: int, world: int, recipe: str, options: dict[str, Any]) -> 
         ref_loss = ddp_backward(reference, x, world)
         ref_opt.step()
         ref_opt.zero_grad()
-        loss_diff = max(loss_diff, abs(loss.item() - ref_loss))
+        diff = max(diff, abs(loss.item() - ref_loss))
+        if after_step is not None:
+            after_step()
+    return diff
+
+
+def _train_pair(rank: int, world: int, recipe: str, options: dict[str, Any]) -> dict[str, Any]:
+    model = _float8_model(recipe)
+    reference = copy.deepcopy(model)
+    flatshard.shard(model, auto_wrap_policy={Block}, **options)
+    seen: list[tuple[str, str]] = []
+    model.blocks[0].up.register_forward_pre_hook(
+        lambda m, _: seen.append((type(m.weight).__name__, str(getattr(m.weight, "_data", m.weight).dtype)))
+    )
+    comm.comm_stats.clear()
+    loss_diff = _train_beside(model, reference, rank, world)
     stats = dict(comm.comm_stats)
     full, _ = flatshard.get_state_dict(model, rank0_only=False)
     expected = reference.state_dict()
@@ -277,21 +288,7 @@ def _compiled(rank: int, world: int, backend: str) -> dict[str, Any]:
         reference = copy.deepcopy(model)
         flatshard.shard(model, auto_wrap_policy={Block})
         model.compile(backend=backend)  # each block compiles; flatshard's hooks stay outside the graphs
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-        mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-        diff = 0.0
-        for step in range(STEPS):
-            x = _batch(step, world)[mine]
-            loss = model(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            ref_loss = ddp_backward(reference, x, world)
-            ref_opt.step()
-            ref_opt.zero_grad()
-            diff = max(diff, abs(loss.item() - ref_loss))
-            watch.step()
+        diff = _train_beside(model, reference, rank, world, watch.step)
     return {"loss": diff, **watch.summary()}
 
 
