@@ -429,6 +429,15 @@ def _check_param_init_fn(value: object) -> Callable[[nn.Module], None] | None:
     return value  # type: ignore[return-value]
 
 
+def _check_device_mesh(value: object) -> Any:
+    if value is not None and not (type(value).__name__ == "DeviceMesh" and hasattr(value, "get_group")):
+        raise TypeError(
+            f"device_mesh must be a torch DeviceMesh, got {type(value).__name__}. HINT: "
+            "torch.distributed.device_mesh.init_device_mesh(device, shape, mesh_dim_names=...)."
+        )
+    return value
+
+
 def _check_shard_group_size(value: object) -> int | None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise TypeError(f"shard_group_size must be a positive int, got {value!r}.")
@@ -547,6 +556,11 @@ class ShardOptions:
             first forward (see [Note: unfilled tensors]).
         process_group: the ranks to shard over. Default: all ranks (``None``: the default group). For hybrid
             strategies: a ``(shard_group, replicate_group)`` tuple or a 2-D ``DeviceMesh`` (replicate, shard).
+        device_mesh: a ``DeviceMesh`` (instead of ``process_group``). For a model parallelized with torch's
+            ``parallelize_module`` (DTensor parameters) its last dimension is the tensor-parallel one the model
+            was parallelized over, and the others the data-parallel ones: ``("data_parallel",
+            "tensor_parallel")``, or ``("replicate", "shard", "tensor_parallel")`` for hybrid strategies (see
+            [Note: tensor parallelism]). Without DTensor parameters, as ``process_group``.
         shard_group_size: hybrid strategies: ranks per shard group (consecutive ranks; must divide the world
             size). Default: ``LOCAL_WORLD_SIZE`` (shard within a node).
         device: where shards and compute live. Default: the accelerator the module is on; else the current
@@ -579,6 +593,7 @@ class ShardOptions:
     sync_module_states: bool = False
     param_init_fn: Callable[[nn.Module], None] | None = None
     process_group: Any = None
+    device_mesh: Any = None
     shard_group_size: int | None = None
     device: torch.device | None = None
     desync_timeout: float | None = 60.0
@@ -611,6 +626,7 @@ class ShardOptions:
             ),
             "sync_module_states": errors.check(_check_bool, "sync_module_states", self.sync_module_states),
             "param_init_fn": errors.check(_check_param_init_fn, self.param_init_fn),
+            "device_mesh": errors.check(_check_device_mesh, self.device_mesh),
             "shard_group_size": errors.check(_check_shard_group_size, self.shard_group_size),
             "device": errors.check(_check_device, self.device),
             "desync_timeout": errors.check(_check_desync_timeout, self.desync_timeout),

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ from flatshard.engine.gradients import UnitGradients
 from flatshard.engine.precision import UnitPrecision
 from flatshard.engine.setup.wrap import Alias
 from flatshard.engine.step.host_shard import HostShard
+from flatshard.engine.tensor_parallel import TensorParallelLayout
 from flatshard.engine.transport.comm import InFlight, Pending, as_wire
 from flatshard.engine.transport.interface import Transport
 from flatshard.engine.transport.limiter import AllGatherLimiter
@@ -183,6 +184,7 @@ class FlatParamHandle(UnitGradients):
         transport: Transport | None = None,
         offload_optimizer: bool = False,
         float8: Float8Weights | None = None,
+        tensor_parallel: Sequence[TensorParallelLayout | None] = (),
     ) -> None:
         if not params:
             raise ValueError("FlatParamHandle needs at least one parameter.")
@@ -210,6 +212,16 @@ class FlatParamHandle(UnitGradients):
         self.params: list[nn.Parameter] = [params[i] for i in order]
         self.aliases: list[list[Alias]] = [list(aliases[i]) for i in order]
         self.names: list[str] = [names[i] for i in order]
+        # see [Note: tensor parallelism]; None when no parameter is a tensor-parallel one
+        self.tensor_parallel: list[TensorParallelLayout | None] | None = (
+            [tensor_parallel[i] for i in order] if any(t is not None for t in tensor_parallel) else None
+        )
+        if self.tensor_parallel is not None and float8 is not None:
+            raise ValueError(
+                "float8 all-gathers of tensor-parallel weights are not supported. HINT: convert with "
+                "Float8LinearConfig(enable_fsdp_float8_all_gather=False), or use torchao's float8 tensor-parallel "
+                "styles without flatshard's float8 gather."
+            )
         params = self.params
         self.shard_group = shard_group
         self.replicate_group = replicate_group
@@ -381,6 +393,21 @@ class FlatParamHandle(UnitGradients):
         if flags != self.requires_grad:
             self._set_trainable(flags)
 
+    def tensor_parallel_of(self, positions: Iterable[int]) -> dict[int, TensorParallelLayout]:
+        """The layouts of the tensor-parallel parameters among ``positions`` (see [Note: tensor parallelism])."""
+        layouts = self.tensor_parallel
+        return {} if layouts is None else {i: t for i in positions if (t := layouts[i]) is not None}
+
+    def full_shape(self, i: int) -> torch.Size:
+        """Parameter ``i``'s shape in a full state dict: the whole tensor's, for a tensor-parallel piece."""
+        layout = self.tensor_parallel[i] if self.tensor_parallel is not None else None
+        return layout.shape if layout is not None else self.layout.shapes[i]
+
+    def local_of_full(self, i: int, value: torch.Tensor) -> torch.Tensor:
+        """This rank's part of parameter ``i``'s full-state value (or of state shaped like it)."""
+        layout = self.tensor_parallel[i] if self.tensor_parallel is not None else None
+        return layout.local_part(value) if layout is not None else value
+
     def index_of(self, param: torch.Tensor) -> int:
         """Position of ``param`` (one of this unit's original parameters) in the flat parameter."""
         return next(i for i, q in enumerate(self.params) if q is param)
@@ -440,7 +467,10 @@ class FlatParamHandle(UnitGradients):
             wrapped = self.float8.wrap([views[i] for i in untracked], untracked, self.precision.compute)
             for i, view in zip(untracked, wrapped, strict=True):
                 views[i] = view
+        layouts = self.tensor_parallel
         for i, view in enumerate(views):
+            if layouts is not None and layouts[i] is not None:  # see [Note: tensor parallelism]
+                view = layouts[i].wrap(view)  # type: ignore[union-attr]
             for module, name in self.aliases[i]:
                 module._parameters[name] = view  # type: ignore[assignment]
 

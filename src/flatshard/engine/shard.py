@@ -44,6 +44,11 @@ from flatshard.engine.setup.materialize import (
 from flatshard.engine.setup.process_groups import node_local_group, resolve_groups
 from flatshard.engine.setup.wrap import Alias, plan_units, select_unit_modules
 from flatshard.engine.step.whole_tensor import install_hooks, register_whole_tensor_optimizer
+from flatshard.engine.tensor_parallel import (
+    TensorParallelLayout,
+    data_parallel_mesh,
+    plain_tensor_parallel_params,
+)
 from flatshard.engine.transport import comm, memory, watchdog
 from flatshard.engine.transport.env import check_environment
 from flatshard.engine.transport.interface import Transport
@@ -120,7 +125,8 @@ def shard(
     strategy, mp, param_init_fn = opts.sharding_strategy, opts.mixed_precision, opts.param_init_fn
     ignored = _expand_ignored(module, ignored_modules)
     plain_float8_weights(module, ignored)  # see [Note: float8 all-gathers]
-    shard_group, replicate_group = resolve_groups(strategy, opts.process_group, opts.shard_group_size)
+    layouts = plain_tensor_parallel_params(module, ignored)  # see [Note: tensor parallelism]
+    shard_group, replicate_group, sync_group = _data_parallel_groups(opts, layouts)
     groups = [shard_group] + ([replicate_group] if replicate_group is not None else [])
     watchdog.configure(opts.desync_timeout, groups)  # this root's limit: see [Note: finding a desync]
     watchdog.start()
@@ -163,7 +169,6 @@ def shard(
         for plan in plans:  # gradients are reduced across ranks: see [Note: dtypes on the wire]
             for p in plan.params:
                 comm.check_trainable_dtype(names.get(p, "?"), p)
-    sync_group = dist.group.WORLD if opts.sync_module_states and dist.is_initialized() else None
     for m in full_precision:
         keep_full_precision(m, next((p.dtype for p in m.parameters()), torch.float32))
     full_precision_set = set(full_precision)
@@ -190,6 +195,7 @@ def shard(
                 unfilled=made.params,
                 transport=transport,
                 float8=Float8Weights(float8) if float8 else None,
+                tensor_parallel=[layouts.get(id(plan.params[i])) for i in members] if layouts else (),
             )
             for (dtype, _), (members, float8) in _flat_groups(plan.params, plan.aliases).items()
         ]
@@ -232,6 +238,53 @@ def shard(
 # prefetches and reductions in the same order, with the same byte counts in ``comm_stats``, at any world size, in
 # one process. ``flatshard.estimate`` measures memory and communication that way. Nothing computed on the meta
 # device has values: it is for planning only.
+
+
+def _data_parallel_groups(
+    opts: ShardOptions, layouts: dict[int, TensorParallelLayout]
+) -> tuple[Any | None, Any | None, Any | None]:
+    """``(shard_group, replicate_group, sync_group)`` from the options; for a tensor-parallel model, groups of the
+    data-parallel dimensions of ``device_mesh`` (see [Note: tensor parallelism])."""
+    strategy, mesh = opts.sharding_strategy, opts.device_mesh
+    tp_mesh = next(iter(layouts.values())).mesh if layouts else None
+    if mesh is not None and opts.process_group is not None:
+        raise ValueError("Give one of process_group, device_mesh, not both.")
+    if tp_mesh is not None and mesh is None and opts.process_group is None:
+        raise ValueError(
+            "the model has tensor-parallel (DTensor) parameters, and shard() needs the data-parallel layout to "
+            "shard them over. HINT: shard(model, device_mesh=mesh) with the mesh whose last dimension the model "
+            "was parallelized over, e.g. init_device_mesh('cuda', (dp, tp), mesh_dim_names=('data_parallel', "
+            "'tensor_parallel'))."
+        )
+    whole = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    if mesh is None:
+        shard_group, replicate_group = resolve_groups(strategy, opts.process_group, opts.shard_group_size)
+        sync = (
+            opts.process_group if tp_mesh is not None and not isinstance(opts.process_group, tuple) else whole
+        )
+        return shard_group, replicate_group, (sync if opts.sync_module_states else None)
+    data = data_parallel_mesh(mesh, tp_mesh)
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    if data is None:  # tensor parallelism alone: nothing to shard over
+        if strategy.is_hybrid:
+            raise ValueError(
+                f"sharding_strategy={strategy.name} needs (replicate, shard) dimensions beside tensor_parallel; "
+                f"device_mesh has only {mesh.mesh_dim_names}. HINT: use FULL_SHARD."
+            )
+        return None, None, None
+    if data.ndim == 1:
+        group: Any = data.get_group(0)
+        if data.size() == 1:
+            return None, None, None
+        shard_group, replicate_group = resolve_groups(strategy, group, opts.shard_group_size, tp)
+        return shard_group, replicate_group, (group if opts.sync_module_states else None)
+    shard_group, replicate_group = resolve_groups(strategy, data, opts.shard_group_size, tp)
+    if opts.sync_module_states and tp_mesh is not None:
+        raise ValueError(
+            "sync_module_states over a (replicate, shard, tensor_parallel) mesh is not supported. HINT: give every "
+            "rank the same weights (seed, or load_pretrained after shard())."
+        )
+    return shard_group, replicate_group, (whole if opts.sync_module_states else None)
 
 
 def _flat_groups(

@@ -128,6 +128,7 @@ def plan_full_model_state_dict(
             pieces=_saved_pieces(h),
             out_device=torch.device("cpu") if to_cpu else h.sharded.device,
             labels={i: tuple(keys.get(id(p), ())) for i, p in enumerate(h.params)},
+            tensor_parallel=h.tensor_parallel_of(range(len(h.params))),
         )
         for h in handles
     ]
@@ -176,7 +177,7 @@ def _expected_shapes(module: nn.Module) -> dict[str, tuple[torch.Size, FlatParam
             out[key] = (value.shape, None, -1)
         else:
             idx = handle.index_of(value)
-            out[key] = (handle.layout.shapes[idx], handle, idx)
+            out[key] = (handle.full_shape(idx), handle, idx)
     return out
 
 
@@ -242,6 +243,7 @@ def load_full_model_state_dict(
             info = handle.shard_infos[idx]
             handle.mark_filled(idx)
             if info.numel_in_shard:
+                value = handle.local_of_full(idx, value)  # see [Note: tensor parallelism]
                 src = value.reshape(-1)[info.offset_in_param : info.offset_in_param + info.numel_in_shard]
                 handle.sharded[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard].copy_(src)
                 if after_copy is not None:

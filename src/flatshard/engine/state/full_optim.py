@@ -47,8 +47,13 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def _is_sharded_state(handle: FlatParamHandle | None, value: Any) -> bool:
+    """State laid out like its parameter's piece: gathered (and cut) with the flat parameter. A tensor-parallel
+    model's always is, over its data-parallel group and then its tensor-parallel one."""
     return (
-        handle is not None and handle.shard_world > 1 and isinstance(value, torch.Tensor) and value.dim() > 0
+        handle is not None
+        and (handle.shard_world > 1 or handle.tensor_parallel is not None)
+        and isinstance(value, torch.Tensor)
+        and value.dim() > 0
     )
 
 
@@ -140,6 +145,7 @@ def plan_full_optim_state_dict(
                     wanted=positions,
                     pieces=pieces,
                     out_device=torch.device("cpu") if to_cpu else handle.sharded.device,
+                    tensor_parallel=handle.tensor_parallel_of(positions),
                 )
             )
             placements.append((key, idxs, positions))
@@ -199,7 +205,7 @@ def convert_full_optim_state_dict(
         if entries is None:
             continue
         handle, i = located[pos]
-        full_shape = handle.layout.shapes[i] if handle is not None else params[pos].shape
+        full_shape = handle.full_shape(i) if handle is not None else params[pos].shape
         converted: dict[str, Any] = {}
         for key, value in entries.items():
             if (
@@ -217,10 +223,12 @@ def convert_full_optim_state_dict(
                     )
                 if _is_sharded_state(handle, value):
                     assert handle is not None
+                    value = handle.local_of_full(i, value)  # see [Note: tensor parallelism]
                     info = handle.shard_infos[i]
-                    value = value.reshape(-1)[
-                        info.offset_in_param : info.offset_in_param + info.numel_in_shard
-                    ]
+                    if handle.shard_world > 1:
+                        value = value.reshape(-1)[
+                            info.offset_in_param : info.offset_in_param + info.numel_in_shard
+                        ]
             # Always a private copy: the optimizer updates state in place (``step`` included), and the
             # source may be another optimizer's live state or a memory-mapped file.
             converted[key] = value.clone() if copy and isinstance(value, torch.Tensor) else value

@@ -81,7 +81,8 @@ class FlatStream:
         self.device = device
         chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         self.chunk_bytes = max(4096, chunk_bytes - chunk_bytes % 4096)
-        distributed = dist.is_available() and dist.is_initialized()
+        # no group: a shard group of one rank (the shard is the whole flat tensor), nothing to exchange
+        distributed = dist.is_available() and dist.is_initialized() and group is not None
         self.world = dist.get_world_size(group) if distributed else 1
         self.rank = dist.get_rank(group) if distributed else 0
         self.keep = keep
@@ -293,6 +294,33 @@ class GatherItem:
     out_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     # per index in ``layout``: the state-dict keys its tensor goes under (a model's items; empty otherwise)
     labels: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    # per index in ``layout``: the tensor's layout where it is a tensor-parallel piece of a bigger tensor, which
+    # the keepers get whole (see [Note: tensor parallelism])
+    tensor_parallel: dict[int, Any] = field(default_factory=dict)
+
+
+def _gathers_data_parallel(items: Sequence[GatherItem], keep: bool) -> bool:
+    """Whether this rank receives the data-parallel gathers: it keeps, or (for a tensor-parallel model) one of its
+    tensor-parallel peers does, whose whole tensors it helps assemble. Collective over that group."""
+    layout = next((t for it in items for t in it.tensor_parallel.values()), None)
+    if layout is None or layout.mesh.size() == 1:
+        return keep
+    flags: list[Any] = [None] * layout.mesh.size()
+    dist.all_gather_object(flags, keep, group=layout.group)
+    return any(flags)
+
+
+def _whole(item: GatherItem, tensors: dict[int, torch.Tensor], keep: bool) -> dict[int, torch.Tensor]:
+    """``tensors`` (one item's, gathered over its data-parallel group) with tensor-parallel pieces made whole over
+    their tensor-parallel group, in ``wanted`` order on every peer; empty where this rank does not keep."""
+    out: dict[int, torch.Tensor] = {}
+    for i, t in tensors.items():
+        layout = item.tensor_parallel.get(i)
+        if layout is not None:
+            t = layout.full(t.to(item.device)).to(item.out_device)
+        if keep:
+            out[i] = t
+    return out
 
 
 def gather_items(
@@ -307,10 +335,13 @@ def gather_items(
     channels: dict[tuple[int, torch.device], list[int]] = {}
     for i, item in enumerate(items):
         channels.setdefault((id(item.group), item.device), []).append(i)
+    gathers = _gathers_data_parallel(items, keep)
     for idxs in channels.values():
-        outs = _gather_channel([items[i] for i in idxs], keep, chunk_bytes)
+        outs = _gather_channel([items[i] for i in idxs], gathers, chunk_bytes)
         for i, out in zip(idxs, outs, strict=True):
             results[i] = out
+    if gathers and any(it.tensor_parallel for it in items):
+        results = [_whole(it, out, keep) for it, out in zip(items, results, strict=True)]
     return results
 
 
@@ -347,6 +378,7 @@ def gather_by_unit(
     units: dict[int, list[int]] = {}
     for i, item in enumerate(items):
         units.setdefault(id(item.layout), []).append(i)
+    whole, keep = keep, _gathers_data_parallel(items, keep)  # see [Note: tensor parallelism]
     streams: dict[tuple[int, torch.device], FlatStream] = {}
     try:
         for unit in units.values():
@@ -371,8 +403,11 @@ def gather_by_unit(
                     )
             for i in unit:
                 out = outputs.pop(i)
-                consume(i, dict(out.tensors) if out is not None else {})
-                del out
+                tensors = dict(out.tensors) if out is not None else {}
+                if items[i].tensor_parallel and keep:
+                    tensors = _whole(items[i], tensors, whole)
+                consume(i, tensors)
+                del out, tensors
     finally:
         for stream in streams.values():
             stream.close()

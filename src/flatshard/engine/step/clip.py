@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,7 +14,10 @@ from flatshard.engine.handle import FlatParamHandle, handle_of_param
 __all__ = ["clip_grad_norm_", "clip_grad_norm_params_"]
 
 
-def _accumulate(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+def _accumulate(
+    grads: list[torch.Tensor], norm_type: float, weights: list[float] | None = None
+) -> torch.Tensor:
+    """The p-th power of the p-norm of ``grads`` (each counted ``weight`` times), or their max for ``inf``."""
     if not grads:
         return torch.zeros((), dtype=torch.float32)
     if norm_type == float("inf"):
@@ -23,8 +27,12 @@ def _accumulate(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
                 for g in grads
             ]
         ).max()
+    weights = weights or [1.0] * len(grads)
     return sum(
-        (torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type for g in grads),
+        (
+            torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type * w
+            for g, w in zip(grads, weights, strict=True)
+        ),
         torch.zeros((), dtype=torch.float32, device=grads[0].device),
     )
 
@@ -50,28 +58,40 @@ def clip_grad_norm_params_(
     """Clip gradients of ``parameters`` (sharded or not) by their global norm; returns the total norm.
 
     Sharded gradients contribute their local piece and are summed over their shard group; gradients
-    of parameters flatshard does not manage count once, locally.
+    of parameters flatshard does not manage count once, locally. In a tensor-parallel model (see [Note: tensor
+    parallelism]) the sums go on over the tensor-parallel group, where a gradient that every rank of it holds
+    (a replicated parameter) counts once.
     """
     norm_type = float(norm_type)
     params = [p for p in parameters if p.grad is not None]
-    sharded: dict[int, tuple[FlatParamHandle, list[torch.Tensor]]] = {}
+    sharded: dict[tuple[int, int], tuple[FlatParamHandle, Any, list[torch.Tensor], list[float]]] = {}
     local: list[torch.Tensor] = []
     for p in params:
         handle = handle_of_param(p)
         assert p.grad is not None
-        if handle is not None and handle.shard_world > 1:
-            sharded.setdefault(id(handle.shard_group), (handle, []))[1].append(p.grad)
+        layouts = handle.tensor_parallel if handle is not None else None
+        if handle is not None and (handle.shard_world > 1 or layouts is not None):
+            tp = next((t for t in layouts if t is not None), None) if layouts is not None else None
+            key = (id(handle.shard_group), id(tp.group) if tp is not None else 0)
+            entry = sharded.setdefault(key, (handle, tp, [], []))
+            entry[2].append(p.grad)
+            if tp is not None:  # a parameter all tensor-parallel ranks hold counts once
+                own = layouts[handle.index_of(p)]  # type: ignore[index]
+                entry[3].append(1.0 / (own.replicas if own is not None else tp.mesh.size()))
+            else:
+                entry[3].append(1.0)
         else:
             local.append(p.grad)
     total = _accumulate(local, norm_type)
-    for handle, grads in sharded.values():
-        part = _accumulate(grads, norm_type).to(handle.device)
-        if norm_type == float("inf"):
-            part = _max_over(part, handle.shard_group)
-            total = torch.maximum(total, part.cpu())
-        else:
-            dist.all_reduce(part, op=dist.ReduceOp.SUM, group=handle.shard_group)
-            total = total + part.cpu()
+    for handle, tp, grads, weights in sharded.values():
+        part = _accumulate(grads, norm_type, weights).to(handle.device)
+        groups = [g for g in (handle.shard_group if handle.shard_world > 1 else None, tp and tp.group) if g]
+        for group in groups:
+            if norm_type == float("inf"):
+                part = _max_over(part, group)
+            else:
+                dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
+        total = torch.maximum(total, part.cpu()) if norm_type == float("inf") else total + part.cpu()
     total_norm = total if norm_type == float("inf") else total ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total_norm):
         raise RuntimeError(
