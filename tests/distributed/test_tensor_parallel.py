@@ -99,3 +99,50 @@ def test_tensor_parallel_matches_one_process(shape: tuple[int, int], kind: str) 
     # amplified where gradients are tiny, as it does under FSDP2 + TP
     assert out["weights"] < 3e-4, out
     assert out["optim"] < 5e-5, out
+
+
+def _save(rank: int, world: int, shape: tuple[int, int], tmp: str, kind: str) -> dict[str, Any]:
+    """Train one step on ``shape``, save full and sharded checkpoints; rank 0 returns the reference's state."""
+    torch.set_num_threads(1)
+    mesh = mesh_2d(shape)
+    torch.manual_seed(0)
+    model = TPLlama()
+    llama_plan(model, mesh["tensor_parallel"])
+    flatshard.shard(model, device_mesh=mesh, auto_wrap_policy={Block})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dp, dp_rank = shape[0], mesh["data_parallel"].get_local_rank()
+    llama_loss(model, _tokens(0).chunk(dp)[dp_rank]).backward()
+    opt.step()
+    flatshard.save_checkpoint(f"{tmp}/{kind}", model, opt, state_dict_type=kind)
+    state, optim = flatshard.get_state_dict(model, opt)
+    return {"state": state, "optim": optim}
+
+
+def _load(rank: int, world: int, shape: tuple[int, int], tmp: str, kind: str) -> dict[str, Any]:
+    """Load the checkpoint into a model on ``shape`` and return its full state (rank 0)."""
+    torch.set_num_threads(1)
+    mesh = mesh_2d(shape)
+    torch.manual_seed(1)  # other initial weights: the load must replace every one
+    model = TPLlama()
+    llama_plan(model, mesh["tensor_parallel"])
+    flatshard.shard(model, device_mesh=mesh, auto_wrap_policy={Block})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    flatshard.load_checkpoint(f"{tmp}/{kind}", model, opt)
+    state, optim = flatshard.get_state_dict(model, opt)
+    return {"state": state, "optim": optim}
+
+
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+def test_checkpoints_resume_on_other_mesh_shapes(tmp_path: Any, kind: str) -> None:
+    saved = spawn(_save, 4, (2, 2), str(tmp_path), kind)[0]
+    for shape in [(4, 1), (1, 4)]:
+        loaded = spawn(_load, 4, shape, str(tmp_path), kind)[0]
+        assert loaded["state"].keys() == saved["state"].keys()
+        for key, value in saved["state"].items():
+            torch.testing.assert_close(loaded["state"][key], value, atol=0, rtol=0, msg=f"{shape} {key}")
+        for i, entries in saved["optim"]["state"].items():
+            for k, v in entries.items():
+                torch.testing.assert_close(loaded["optim"]["state"][i][k], v, atol=0, rtol=0)
+    if kind == "full":  # a plain file of the original shapes: loads into the unsharded model
+        plain = TPLlama()
+        plain.load_state_dict(torch.load(tmp_path / "full", weights_only=True)["state_dict"])

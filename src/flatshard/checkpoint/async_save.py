@@ -94,7 +94,7 @@ def stage_entries(entries: Mapping[str, Any]) -> dict[str, Any]:
     for fqn, value in entries.items():
         if isinstance(value, ParamShard):
             copied_from_cuda |= value.local.is_cuda
-            staged[fqn] = ParamShard(_copy_tensor(value.local), value.offset, value.shape)
+            staged[fqn] = value.with_local(_copy_tensor(value.local))
         elif isinstance(value, torch.Tensor):
             copied_from_cuda |= value.is_cuda
             staged[fqn] = _copy_tensor(value)

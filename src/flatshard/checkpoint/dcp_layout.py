@@ -55,6 +55,7 @@ __all__ = [
     "foreign_layout",
     "group_root",
     "optimizer_state_entries",
+    "shard_boxes",
     "split_pieces",
     "unclaimed_keys",
 ]
@@ -127,6 +128,19 @@ def flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
 
     cover((), dims, 0, start, stop)
     return out
+
+
+def shard_boxes(shard: Any) -> list[Box]:
+    """The boxes of the full tensor that a :class:`~flatshard.engine.ParamShard` covers: of its flat range, within
+    its tensor-parallel block when it has one (``start`` stays relative to the piece's own flattening)."""
+    n = shard.local.numel()
+    if shard.block is None:
+        return flat_boxes(shard.shape, shard.offset, shard.offset + n)
+    at, sizes = shard.block
+    return [
+        Box(tuple(o + a for o, a in zip(b.offsets, at, strict=True)), b.sizes, b.start)
+        for b in flat_boxes(sizes, shard.offset, shard.offset + n)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- pieces

@@ -73,9 +73,9 @@ from flatshard.checkpoint.dcp_layout import (
     StoredPiece,
     fill_pieces,
     find_pieces,
-    flat_boxes,
     foreign_layout,
     optimizer_state_entries,
+    shard_boxes,
     split_pieces,
     unclaimed_keys,
 )
@@ -159,8 +159,7 @@ class SavePlanner(DefaultSavePlanner):
         items: list[WriteItem] = []
         for fqn, value in self._entries.items():
             if isinstance(value, ParamShard):
-                n = value.local.numel()
-                for box in flat_boxes(value.shape, value.offset, value.offset + n):
+                for box in shard_boxes(value):
                     offsets = torch.Size(box.offsets)
                     view = value.local[box.start - value.offset : box.start - value.offset + box.numel]
                     self._views[(fqn, box.offsets)] = view.view(box.sizes)
@@ -275,8 +274,8 @@ def _read_boxes(fqn: str, stored: torch.Size, target: ParamShard) -> list[Box]:
     """The boxes of ``target``'s range in the stored tensor: of its global shape, or of a flat one (version 1)."""
     n = target.local.numel()
     if tuple(stored) == tuple(target.shape):
-        return flat_boxes(target.shape, target.offset, target.offset + n)
-    if len(stored) == 1 and stored[0] == target.numel:
+        return shard_boxes(target)
+    if len(stored) == 1 and target.block is None and stored[0] == target.numel:
         return [Box((target.offset,), (n,), target.offset)] if n else []
     raise CheckpointError(
         f"The checkpoint stores {fqn!r} with shape {tuple(stored)}, expected {tuple(target.shape)} (or flat). "

@@ -120,7 +120,10 @@ def _target(
     """
     if shard is not None:
         return ParamShard(
-            torch.empty(shard.local.numel(), dtype=dtype, device=device), shard.offset, full_shape
+            torch.empty(shard.local.numel(), dtype=dtype, device=device),
+            shard.offset,
+            full_shape,
+            shard.block,
         )
     if reader.is_piece(fqn):
         return ParamShard(torch.empty(full_shape.numel(), dtype=dtype, device=device), 0, full_shape)
@@ -141,8 +144,7 @@ def _finish_piece(value: Any, shard: ParamShard | None) -> Any:
         and value.dim() > 0
         and value.shape == shard.shape
     ):
-        flat = value.reshape(-1)[shard.offset : shard.offset + shard.local.numel()]
-        return ParamShard(flat, shard.offset, shard.shape)
+        return shard.with_local(shard.cut(value))
     return value
 
 

@@ -430,10 +430,19 @@ def _check_param_init_fn(value: object) -> Callable[[nn.Module], None] | None:
 
 
 def _check_device_mesh(value: object) -> Any:
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2 or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in value
+        ):
+            raise ValueError(
+                f"device_mesh={value!r} must be (replicas, ranks per shard group), two positive ints."
+            )
+        return tuple(value)
     if value is not None and not (type(value).__name__ == "DeviceMesh" and hasattr(value, "get_group")):
         raise TypeError(
-            f"device_mesh must be a torch DeviceMesh, got {type(value).__name__}. HINT: "
-            "torch.distributed.device_mesh.init_device_mesh(device, shape, mesh_dim_names=...)."
+            f"device_mesh must be a (replicas, shard group size) tuple or a torch DeviceMesh, got "
+            f"{type(value).__name__}. HINT: torch.distributed.device_mesh.init_device_mesh(device, shape, "
+            "mesh_dim_names=...)."
         )
     return value
 
@@ -556,11 +565,12 @@ class ShardOptions:
             first forward (see [Note: unfilled tensors]).
         process_group: the ranks to shard over. Default: all ranks (``None``: the default group). For hybrid
             strategies: a ``(shard_group, replicate_group)`` tuple or a 2-D ``DeviceMesh`` (replicate, shard).
-        device_mesh: a ``DeviceMesh`` (instead of ``process_group``). For a model parallelized with torch's
-            ``parallelize_module`` (DTensor parameters) its last dimension is the tensor-parallel one the model
-            was parallelized over, and the others the data-parallel ones: ``("data_parallel",
-            "tensor_parallel")``, or ``("replicate", "shard", "tensor_parallel")`` for hybrid strategies (see
-            [Note: tensor parallelism]). Without DTensor parameters, as ``process_group``.
+        device_mesh: hybrid strategies: ``(replicas, ranks per shard group)`` or a 2-D ``DeviceMesh`` (dim 0
+            replicates, dim 1 shards), instead of ``process_group`` or ``shard_group_size``. For a model
+            parallelized with torch's ``parallelize_module`` (DTensor parameters), the whole ``DeviceMesh``: its
+            last dimension is the tensor-parallel one the model was parallelized over and the others are the
+            data-parallel ones, ``("data_parallel", "tensor_parallel")`` or, for hybrid strategies,
+            ``("replicate", "shard", "tensor_parallel")`` (see [Note: tensor parallelism]). Default: ``None``.
         shard_group_size: hybrid strategies: ranks per shard group (consecutive ranks; must divide the world
             size). Default: ``LOCAL_WORLD_SIZE`` (shard within a node).
         device: where shards and compute live. Default: the accelerator the module is on; else the current

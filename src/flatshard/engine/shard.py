@@ -257,6 +257,22 @@ def _data_parallel_groups(
             "'tensor_parallel'))."
         )
     whole = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    if isinstance(mesh, tuple):  # (replicas, ranks per shard group)
+        if tp_mesh is not None:
+            raise ValueError(
+                f"device_mesh={mesh} gives hybrid groups by size; a tensor-parallel model needs the DeviceMesh it "
+                "was parallelized over. HINT: pass the DeviceMesh."
+            )
+        replicas, size = mesh
+        if whole is not None and replicas * size != dist.get_world_size():
+            raise ValueError(
+                f"device_mesh={mesh} has {replicas * size} ranks but the world has {dist.get_world_size()}. HINT: "
+                "(replicas, ranks per shard group) must multiply to the world size."
+            )
+        if not strategy.is_hybrid:
+            raise ValueError(f"device_mesh={mesh} only applies to HYBRID_SHARD / HYBRID_SHARD_ZERO2.")
+        shard_group, replicate_group = resolve_groups(strategy, None, size)
+        return shard_group, replicate_group, (whole if opts.sync_module_states else None)
     if mesh is None:
         shard_group, replicate_group = resolve_groups(strategy, opts.process_group, opts.shard_group_size)
         sync = (

@@ -85,7 +85,8 @@ class TensorParallelLayout:
     def full(self, local: torch.Tensor) -> torch.Tensor:
         """The whole tensor from every rank's ``local`` (collective over the mesh)."""
         with torch.no_grad():
-            return self.wrap(local).full_tensor()
+            whole: torch.Tensor = self.wrap(local).full_tensor()  # type: ignore[attr-defined]
+        return whole
 
     def local_part(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of the whole tensor ``full`` (no communication)."""
@@ -99,11 +100,17 @@ class TensorParallelLayout:
         with torch.no_grad():
             return distribute_tensor(full, self.mesh, self.placements, src_data_rank=None).to_local()
 
-    def local_shape(self) -> torch.Size:
-        from torch.distributed.tensor import distribute_tensor
-
-        probe = torch.empty(self.shape, device="meta")
-        return distribute_tensor(probe, self.mesh, self.placements, src_data_rank=None).to_local().shape
+    def block(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(offsets, sizes)`` of this rank's block of the whole tensor: ``Shard(d)`` cuts dimension ``d`` into
+        ``ceil(n / k)``-sized chunks, as torch does; ``Replicate`` holds all of it."""
+        offsets, sizes = [0] * len(self.shape), list(self.shape)
+        for mesh_dim, placement in enumerate(self.placements):
+            if placement.is_shard():
+                d, k = placement.dim, self.mesh.size(mesh_dim)
+                chunk = -(-sizes[d] // k)
+                lo = min(self.mesh.get_local_rank(mesh_dim) * chunk, sizes[d])
+                offsets[d], sizes[d] = offsets[d] + lo, min(chunk, sizes[d] - lo)
+        return tuple(offsets), tuple(sizes)
 
 
 def plain_tensor_parallel_params(
@@ -136,7 +143,13 @@ def plain_tensor_parallel_params(
                     )
                 meshes[id(layout.mesh)] = layout.mesh
                 with torch.no_grad():
-                    local = p.to_local().detach()
+                    local = p.to_local().detach()  # type: ignore[attr-defined]
+                if tuple(local.shape) != layout.block()[1]:
+                    raise ValueError(
+                        f"{type(m).__name__}.{name}: a local tensor of shape {tuple(local.shape)} is not the block "
+                        f"{layout.block()[1]} that placements {layout.placements} give on this rank. HINT: use "
+                        "torch's tensor-parallel styles (Colwise/Rowwise/SequenceParallel), which shard evenly."
+                    )
                 new = nn.Parameter(local, requires_grad=p.requires_grad)
                 made[id(p)] = new
                 layouts[id(new)] = layout

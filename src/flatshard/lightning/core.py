@@ -57,6 +57,7 @@ class StrategyCore:
         ranks_per_node: int,
         world_size: int,
         compile_root: bool,
+        device_mesh: Any | None = None,
     ) -> Module:
         """Shard ``module`` in place (unless it is already), compile its units (the module itself too where
         ``compile_root`` and it is the only unit) and register ``generate`` to gather."""
@@ -65,7 +66,8 @@ class StrategyCore:
             log.debug("flatshard: model is already sharded; reusing its units.")
         else:
             config = mixed_precision_for(precision_flag, self.options.mixed_precision)
-            shard(module, self.options.shard_options(device, config, ranks_per_node, world_size))
+            options = self.options.shard_options(device, config, ranks_per_node, world_size, device_mesh)
+            shard(module, options)
         if self.options.compile is not None:  # see [Note: torch.compile]
             compiled = compile_units(module, self.options.compile, root=compile_root)
             log.debug("flatshard: compiled %d units", len(compiled))
@@ -139,6 +141,7 @@ class ShellMembers:
     """
 
     _core: StrategyCore
+    _device_mesh: Any = None  # built by tensor_parallel_size: see build_device_mesh
     _process_group_backend: str | None
     _timeout: timedelta | None
     if TYPE_CHECKING:  # Lightning's base classes have these
@@ -176,8 +179,25 @@ class ShellMembers:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
+    def device_mesh(self) -> Any:
+        """The ``("data_parallel", "tensor_parallel")`` mesh of ``tensor_parallel_size`` (``None`` without it),
+        once the processes are initialized."""
+        return self._device_mesh
+
+    def build_device_mesh(self) -> Any:
+        """Build the mesh ``tensor_parallel_size`` asks for (collective, after the process group starts)."""
+        world = self.num_nodes * self.num_processes
+        self._device_mesh = self.options.build_mesh(world, self.num_processes, self.root_device)
+        return self._device_mesh
+
+    @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        world = self.num_nodes * self.num_processes
+        mesh = self._device_mesh
+        if mesh is not None:  # ranks of one tensor-parallel group (its last dimension) read the same batch
+            tp = mesh.size(mesh.ndim - 1)
+            return {"num_replicas": world // tp, "rank": self.global_rank // tp}
+        return {"num_replicas": world, "rank": self.global_rank}
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return broadcast_object(obj, src)

@@ -189,6 +189,7 @@ class FlatShardFabricStrategy(ShellMembers, ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         init_process_group(self)
+        self.build_device_mesh()  # fabric.strategy.device_mesh, for the model's plan before fabric.setup
 
     @override
     def setup_module(self, module: Module) -> Module:
@@ -199,6 +200,7 @@ class FlatShardFabricStrategy(ShellMembers, ParallelStrategy):
             self.num_processes,
             self.num_nodes * self.num_processes,
             compile_root=True,  # the module given to fabric.setup, when it is the only unit
+            device_mesh=self.device_mesh,
         )
         self._sharded_modules.append(module)
         return module

@@ -91,26 +91,44 @@ def _check_async_save(value: object, state_dict_type: object) -> None:
         )
 
 
-def _check_device_mesh(value: object) -> Any:
-    if isinstance(value, (tuple, list)):
-        if len(value) != 2 or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in value
-        ):
+def _check_size(name: str, value: object, none: bool) -> None:
+    if (value is None and none) or value == "auto":
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int or 'auto'.")
+
+
+def _check_parallel_sizes(
+    shard: ShardOptions, tensor_parallel_size: object, data_parallel_size: object
+) -> None:
+    _check_size("tensor_parallel_size", tensor_parallel_size, none=True)
+    _check_size("data_parallel_size", data_parallel_size, none=False)
+    if tensor_parallel_size is None:
+        if data_parallel_size != "auto":
             raise ValueError(
-                f"device_mesh={value!r} must be (replicas, ranks per shard group), two positive ints."
+                f"data_parallel_size={data_parallel_size!r} needs tensor_parallel_size: without tensor parallelism "
+                "every rank is a data-parallel rank. HINT: set tensor_parallel_size, or drop data_parallel_size."
             )
-        return tuple(value)
-    if value is not None and type(value).__name__ != "DeviceMesh":
-        raise TypeError(
-            f"device_mesh must be a (replicas, shard group size) tuple or a 2-D DeviceMesh, got {type(value).__name__}."
+        return
+    given = [n for n, v in (("process_group", shard.process_group), ("device_mesh", shard.device_mesh)) if v]
+    if given:
+        raise ValueError(
+            f"tensor_parallel_size builds the device mesh itself; {', '.join(given)} cannot be given with it. HINT: "
+            "drop them (hybrid strategies: shard_group_size sets the shard dimension)."
         )
-    return value
+    if shard.sharding_strategy.is_hybrid and shard.shard_group_size is None:
+        raise ValueError(
+            f"{shard.sharding_strategy.name} with tensor_parallel_size needs shard_group_size (ranks of the shard "
+            "dimension of the (replicate, shard, tensor_parallel) mesh). HINT: set shard_group_size, or use FULL_SHARD."
+        )
 
 
-def _check_hybrid_layout(shard: ShardOptions, device_mesh: Any) -> None:
+def _check_hybrid_layout(shard: ShardOptions) -> None:
     given = [
         name
-        for name, value in zip(_HYBRID_LAYOUT, (shard.shard_group_size, shard.process_group, device_mesh))
+        for name, value in zip(
+            _HYBRID_LAYOUT, (shard.shard_group_size, shard.process_group, shard.device_mesh)
+        )
         if value is not None
     ]
     if given and not shard.sharding_strategy.is_hybrid:
@@ -145,9 +163,17 @@ class StrategyOptions:
             sharding both reduce-scatter inside the shard group every micro-batch and reduce across replicas
             once, on the last one. Fabric has no such argument: a Fabric loop chooses per backward with
             ``fabric.no_backward_sync(model)``.
-        device_mesh: hybrid strategies: ``(replicas, ranks per shard group)`` or a 2-D ``DeviceMesh`` (dim 0
-            replicates, dim 1 shards). Give at most one of ``shard_group_size``, ``process_group`` and this.
-            Default: ``None``.
+        tensor_parallel_size: ranks of each tensor-parallel group (``"auto"``: the devices of one node). The
+            strategy builds a ``("data_parallel", "tensor_parallel")`` device mesh (``("replicate", "shard",
+            "tensor_parallel")`` under hybrid strategies, whose shard groups are ``shard_group_size`` ranks),
+            shown to the LightningModule as ``self.device_mesh`` (Fabric: ``fabric.strategy.device_mesh``).
+            ``configure_model`` applies the model's plan (torch's ``parallelize_module`` on
+            ``self.device_mesh["tensor_parallel"]``); flatshard then shards the local tensors over the
+            data-parallel ranks, and the sampler splits data over them only (see [Note: tensor parallelism]).
+            ``None``: no tensor parallelism. Default: ``None``.
+        data_parallel_size: with ``tensor_parallel_size``, the ranks of the data-parallel dimension; ``"auto"``:
+            the world size divided by ``tensor_parallel_size``. The two must multiply to the world size.
+            Default: ``"auto"``.
         compile: compile each unit that has no unit inside it, in place after sharding (``unit.compile()``),
             with flatshard's hooks outside the compiled graphs. ``True``: ``torch.compile``'s defaults; a dict:
             its keyword arguments (``{"mode": "max-autotune"}``, ``{"backend": "aot_eager"}``). The
@@ -168,7 +194,8 @@ class StrategyOptions:
     state_dict_type: str = "full"
     start_method: str = "popen"
     grad_accumulation: str = "sharded"
-    device_mesh: Any = None
+    tensor_parallel_size: int | str | None = None
+    data_parallel_size: int | str = "auto"
     compile: Any = False  # after validation: None (off) or torch.compile's keyword arguments
     async_save: bool = False
     allow_dtype_kind_cast: bool = False
@@ -186,11 +213,10 @@ class StrategyOptions:
             _GRAD_ACCUMULATION,
             "'sharded' reduce-scatters every micro-batch (least memory), 'no_sync' reduces once per optimizer step.",
         )
-        mesh = errors.check(_check_device_mesh, self.device_mesh)
-        errors.check(_check_hybrid_layout, self.shard, mesh)
+        errors.check(_check_hybrid_layout, self.shard)
+        errors.check(_check_parallel_sizes, self.shard, self.tensor_parallel_size, self.data_parallel_size)
         compile_kwargs_ = errors.check(compile_kwargs, self.compile)  # see [Note: torch.compile]
         errors.raise_if_any()
-        object.__setattr__(self, "device_mesh", mesh)
         object.__setattr__(self, "compile", compile_kwargs_)
 
     @classmethod
@@ -235,28 +261,66 @@ class StrategyOptions:
         precision: MixedPrecision | None = None,
         ranks_per_node: int = 1,
         world_size: int = 1,
+        device_mesh: Any | None = None,
     ) -> ShardOptions:
         """The options ``shard()`` gets on ``device``; ``precision`` is the engine's config for the precision
         flag (``mixed_precision_for``, which also honours and checks an explicit ``mixed_precision``). Hybrid
         strategies shard within a node (``ranks_per_node``) unless the groups were given."""
-        return replace(
-            self.shard, device=device, mixed_precision=precision, **self._groups(ranks_per_node, world_size)
-        )
+        groups = self._groups(ranks_per_node, world_size)
+        if device_mesh is not None:  # the mesh of tensor_parallel_size
+            groups["device_mesh"] = device_mesh
+        return replace(self.shard, device=device, mixed_precision=precision, **groups)
+
+    def mesh_shape(
+        self, world_size: int, ranks_per_node: int
+    ) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+        """The device mesh ``tensor_parallel_size`` asks for (shape, dimension names), or ``None`` without it."""
+        tp = self.tensor_parallel_size
+        if tp is None:
+            return None
+        tp = ranks_per_node if tp == "auto" else int(tp)
+        dp = world_size // tp if self.data_parallel_size == "auto" else int(self.data_parallel_size)
+        if dp * tp != world_size:
+            raise ValueError(
+                f"data_parallel_size={dp} x tensor_parallel_size={tp} must equal the world size ({world_size}). HINT: "
+                f"use a tensor_parallel_size dividing {world_size} and data_parallel_size='auto'."
+            )
+        if not self.shard.sharding_strategy.is_hybrid:
+            return (dp, tp), ("data_parallel", "tensor_parallel")
+        k = self.shard.shard_group_size
+        assert k is not None
+        if dp % k:
+            raise ValueError(
+                f"shard_group_size={k} does not divide the data-parallel size {dp}. HINT: use a divisor of {dp}."
+            )
+        return (dp // k, k, tp), ("replicate", "shard", "tensor_parallel")
+
+    def build_mesh(self, world_size: int, ranks_per_node: int, device: torch.device) -> Any | None:
+        """The device mesh of ``tensor_parallel_size`` (collective: every rank calls), or ``None`` without it."""
+        layout = self.mesh_shape(world_size, ranks_per_node)
+        if layout is None:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device.type, layout[0], mesh_dim_names=layout[1])
 
     def _groups(self, ranks_per_node: int, world_size: int) -> dict[str, Any]:
         shard = self.shard
         if not shard.sharding_strategy.is_hybrid or shard.process_group is not None:
             return {}
-        if isinstance(self.device_mesh, tuple):
-            replicas, size = self.device_mesh
+        if self.tensor_parallel_size is not None:  # the mesh carries the groups: see build_mesh
+            return {"shard_group_size": None}
+        mesh = shard.device_mesh
+        if isinstance(mesh, tuple):
+            replicas, size = mesh
             if replicas * size != world_size:
                 raise ValueError(
-                    f"device_mesh={self.device_mesh} has {replicas * size} ranks but the world has {world_size}. "
+                    f"device_mesh={mesh} has {replicas * size} ranks but the world has {world_size}. "
                     f"HINT: (replicas, ranks per shard group) must multiply to {world_size}."
                 )
-            return {"shard_group_size": size}
-        if self.device_mesh is not None:
-            return {"process_group": self.device_mesh}
+            return {"shard_group_size": size, "device_mesh": None}
+        if mesh is not None:
+            return {}
         return {"shard_group_size": shard.shard_group_size or ranks_per_node}
 
 
@@ -287,6 +351,8 @@ class OptionArguments(TypedDict, total=False):
     shard_group_size: int | None
     process_group: Any | None
     device_mesh: Any | None
+    tensor_parallel_size: int | Literal["auto"] | None
+    data_parallel_size: int | Literal["auto"]
     start_method: Literal["popen", "spawn"]
     compile: bool | dict[str, Any]
     desync_timeout: float | timedelta | None

@@ -144,6 +144,9 @@ class FlatShardStrategy(ShellMembers, ParallelStrategy):
         super().setup_environment()
         reset_seed()
         init_process_group(self)
+        if self.build_device_mesh() is not None:  # configure_model reads it as self.device_mesh
+            assert self.lightning_module is not None
+            self.lightning_module._device_mesh = self.device_mesh
 
     def set_world_ranks(self) -> None:  # called by Lightning's connector when the Trainer is built
         set_world_ranks(self)
@@ -184,6 +187,7 @@ class FlatShardStrategy(ShellMembers, ParallelStrategy):
             self.num_processes,
             self.num_nodes * self.num_processes,
             compile_root=False,  # the LightningModule's forward runs the steps
+            device_mesh=self.device_mesh,
         )
         count_full_parameters(trainer)  # ModelSummary shows the model's sizes, not this rank's shards
         self.barrier()

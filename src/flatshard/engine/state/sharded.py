@@ -49,13 +49,28 @@ class ParamShard:
 
     Attributes:
         local: the piece, 1-D (possibly empty); for the live state it is a view, not a copy.
-        offset: index of ``local[0]`` in the flattened full tensor.
+        offset: index of ``local[0]`` in the flattened full tensor (in the flattened ``block``, when there is one).
         shape: the full tensor's shape.
+        block: for a tensor-parallel parameter, ``(offsets, sizes)`` of the block of the full tensor this rank's
+            tensor-parallel group member holds, of which the piece is a flat range (see [Note: tensor
+            parallelism]); ``None`` otherwise.
     """
 
     local: torch.Tensor
     offset: int
     shape: torch.Size
+    block: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+    def with_local(self, local: torch.Tensor) -> ParamShard:
+        """The same piece of the same tensor, held by ``local``."""
+        return ParamShard(local, self.offset, self.shape, self.block)
+
+    def cut(self, full: torch.Tensor) -> torch.Tensor:
+        """This piece of ``full`` (a tensor of the full shape): a 1-D view where it can be."""
+        if self.block is not None:
+            for dim, (at, size) in enumerate(zip(*self.block, strict=True)):
+                full = full.narrow(dim, at, size)
+        return full.reshape(-1)[self.offset : self.offset + self.local.numel()]
 
     @property
     def numel(self) -> int:
@@ -79,9 +94,11 @@ def param_shard(param: torch.Tensor) -> ParamShard | None:
     if handle is None:
         return None
     i = handle.index_of(param)
-    return ParamShard(
-        handle.piece(i).detach().reshape(-1), handle.shard_infos[i].offset_in_param, handle.layout.shapes[i]
-    )
+    piece, offset = handle.piece(i).detach().reshape(-1), handle.shard_infos[i].offset_in_param
+    layout = handle.tensor_parallel[i] if handle.tensor_parallel is not None else None
+    if layout is not None:  # see [Note: tensor parallelism]
+        return ParamShard(piece, offset, layout.shape, layout.block())
+    return ParamShard(piece, offset, handle.layout.shapes[i])
 
 
 def sharded_model_state_dict(module: nn.Module) -> dict[str, Any]:
@@ -98,9 +115,7 @@ def sharded_model_state_dict(module: nn.Module) -> dict[str, Any]:
         shard = param_shard(value) if isinstance(value, torch.Tensor) else None
         if shard is not None:
             if id(value) not in shards:  # the live piece, or what stands in for it (see [Note: stand-ins])
-                shards[id(value)] = ParamShard(
-                    saved_value(value, shard.local).reshape(-1), shard.offset, shard.shape
-                )
+                shards[id(value)] = shard.with_local(saved_value(value, shard.local).reshape(-1))
             out[key] = shards[id(value)]
         elif isinstance(value, torch.Tensor):
             out[key] = saved_piece(value).to(restore.get(key, value.dtype))
@@ -150,7 +165,7 @@ def sharded_optim_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer
                         f"{name!r}, whose local piece has shape {tuple(piece.shape)}; only elementwise optimizer "
                         "state can be sharded. HINT: use an elementwise optimizer (Adam, AdamW, SGD...)."
                     )
-                converted[key] = ParamShard(value.detach().reshape(-1), shard.offset, shard.shape)
+                converted[key] = shard.with_local(value.detach().reshape(-1))
             else:
                 converted[key] = value
         state[name] = converted
@@ -174,10 +189,10 @@ def local_param_targets(module: nn.Module) -> dict[str, tuple[torch.Tensor, Para
         if handle is None:
             out[key] = (value, None)
             continue
-        i = handle.index_of(value)
-        info = handle.shard_infos[i]
-        empty = torch.empty(info.numel_in_shard, dtype=value.dtype, device=value.device)
-        out[key] = (value, ParamShard(empty, info.offset_in_param, handle.layout.shapes[i]))
+        shard = param_shard(value)
+        assert shard is not None
+        empty = torch.empty(shard.local.numel(), dtype=value.dtype, device=value.device)
+        out[key] = (value, shard.with_local(empty))
     return out
 
 

@@ -169,8 +169,8 @@ def _set_sharded_state_dict(
             target = live[key][1]
             if isinstance(value, ParamShard) != (target is not None) or (
                 target is not None
-                and (value.offset, value.local.numel(), value.shape)
-                != (target.offset, target.local.numel(), target.shape)
+                and (value.offset, value.local.numel(), value.shape, value.block)
+                != (target.offset, target.local.numel(), target.shape, target.block)
             ):
                 raise ValueError(
                     f"Sharded state for {key!r} ({value!r}) does not match this rank's piece ({target!r}). HINT: "

@@ -144,7 +144,7 @@ class EMA:
                 live = shard.local if shard is not None else value.detach()
                 ema = live if self.swapped or id(value) not in shadow else shadow[id(value)].detach()
                 if shard is not None:
-                    made[id(value)] = ParamShard(ema.reshape(-1), shard.offset, shard.shape)
+                    made[id(value)] = shard.with_local(ema.reshape(-1))
                 else:
                     made[id(value)] = ema
             out[key] = made[id(value)]
