@@ -25,6 +25,7 @@ from typing_extensions import Unpack, override
 
 from flatshard.checkpoint import (
     ModelState,
+    Names,
     OptimizerState,
     gather_for_save,
     load_into,
@@ -399,7 +400,9 @@ class FlatShardStrategy(ShellMembers, ParallelStrategy):
         if _has_placeholders(checkpoint):  # see [Note: streamed Trainer saves]
             save_full_streamed(filepath, checkpoint)
             return
-        self._core.write(checkpoint, filepath)
+        # a 2-D run writes the model where Lightning's ModelParallelStrategy reads it, else where its FSDPStrategy
+        # does (see [Note: DCP-native layout]); flatshard reads either
+        self._core.write(checkpoint, filepath, Names("state_dict") if self.device_mesh is not None else None)
 
     def _streams_this_save(self) -> bool:
         """Whether the full state asked for now goes into a checkpoint that ``save_checkpoint`` streams."""
