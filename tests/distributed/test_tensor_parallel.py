@@ -51,7 +51,12 @@ def _train(
         hf_llama_plan(model, mesh["tensor_parallel"])
     else:
         llama_plan(model, mesh["tensor_parallel"], sequence_parallel=kind == "sp")
+    compile_options = options.pop("compile", None)
     flatshard.shard(model, device_mesh=mesh, auto_wrap_policy={unit}, **options)
+    if compile_options is not None:
+        from flatshard.engine import compile_units
+
+        assert compile_units(model, compile_options, root=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     dp, dp_rank = shape[0], mesh["data_parallel"].get_local_rank()
@@ -130,6 +135,55 @@ def _load(rank: int, world: int, shape: tuple[int, int], tmp: str, kind: str) ->
     flatshard.load_checkpoint(f"{tmp}/{kind}", model, opt)
     state, optim = flatshard.get_state_dict(model, opt)
     return {"state": state, "optim": optim}
+
+
+OPTIONS = {
+    "checkpointing": ({"activation_checkpointing_policy": {Block}}, 5e-5),
+    "selective": (
+        {"activation_checkpointing_policy": {Block}, "activation_checkpointing_mode": "selective"},
+        5e-5,
+    ),
+    "bf16": ({"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}, 5e-2),
+    "reshard_after_forward_false": ({"reshard_after_forward": False}, 5e-5),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_tensor_parallel_with_options_matches_one_process(name: str) -> None:
+    options, tol = OPTIONS[name]
+    out = spawn(_train, 4, (2, 2), "sp", dict(options))[0]
+    for mine, ref in out["losses"]:
+        assert mine == pytest.approx(ref, abs=tol)
+    if tol < 1e-3:
+        assert out["weights"] < 3e-4, out
+
+
+def _refused(rank: int, world: int, what: str) -> str:
+    torch.set_num_threads(1)
+    mesh = mesh_2d(
+        (1, 4) if what == "muon" else (2, 2)
+    )  # 1 x 4: the parameters keep their (local) matrix shapes
+    model = llama_plan(TPLlama(), mesh["tensor_parallel"])
+    flatshard.shard(model, device_mesh=mesh, auto_wrap_policy={Block})
+    try:
+        if what == "compile":
+            from flatshard.engine import compile_units
+
+            compile_units(model, {"backend": "aot_eager"}, root=False)
+        else:
+            opt = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=1e-2)
+            model(torch.zeros(2, 8, dtype=torch.long)).sum().backward()
+            opt.step()
+    except ValueError as err:
+        return str(err)
+    return "not refused"
+
+
+@pytest.mark.parametrize("what", ["compile", "muon"])
+def test_unsupported_combinations_are_refused_with_a_hint(what: str) -> None:
+    message = spawn(_refused, 4, what)[0]
+    assert "tensor parallel" in message and "HINT" in message, message
 
 
 @pytest.mark.parametrize("kind", ["full", "sharded"])

@@ -70,7 +70,9 @@ def _loader(data_parallel: int) -> DataLoader:
     return DataLoader(dataset, batch_size=GLOBAL_BATCH, sampler=sampler)
 
 
-def _fit(world: int, strategy: Any, dp: int, epochs: int, out: str, ckpt: str | None = None, **lit: Any) -> Any:
+def _fit(
+    world: int, strategy: Any, dp: int, epochs: int, out: str, ckpt: str | None = None, **lit: Any
+) -> Any:
     recorder = LossRecorder()
     trainer = make_trainer(world, strategy, max_epochs=epochs, callbacks=[recorder])
     trainer.fit(LitTP(**lit), _loader(dp), ckpt_path=ckpt)
@@ -79,7 +81,9 @@ def _fit(world: int, strategy: Any, dp: int, epochs: int, out: str, ckpt: str | 
 
 
 def _flatshard(tp: int, kind: str = "full") -> Any:
-    return flatshard.FlatShardStrategy(tensor_parallel_size=tp, auto_wrap_policy={Block}, state_dict_type=kind)
+    return flatshard.FlatShardStrategy(
+        tensor_parallel_size=tp, auto_wrap_policy={Block}, state_dict_type=kind
+    )
 
 
 def _reference(epochs: int) -> tuple[list[float], dict[str, Any]]:
@@ -100,7 +104,9 @@ def _first_epoch(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
 def _second_epoch(rank: int, world: int, tmp: str, tp: int, source: str) -> list[float]:
     torch.set_num_threads(1)
-    return _fit(world, _flatshard(tp), world // tp, 2, os.path.join(tmp, f"resumed_{tp}.ckpt"), source, seed=9)
+    return _fit(
+        world, _flatshard(tp), world // tp, 2, os.path.join(tmp, f"resumed_{tp}.ckpt"), source, seed=9
+    )
 
 
 def _close(actual: list[float], expected: list[float]) -> None:
@@ -123,7 +129,10 @@ def test_trainer_tensor_parallel_matches_one_device_and_resumes_on_other_shapes(
     _close(first["sharded"], losses)
     _same_weights(tmp_path / "full.ckpt", weights)
     plain = load_ckpt(tmp_path / "full.ckpt")
-    assert plain["optimizer_states"][0]["state"][0]["exp_avg"].shape == weights["model.tok_embeddings.weight"].shape
+    assert (
+        plain["optimizer_states"][0]["state"][0]["exp_avg"].shape
+        == weights["model.tok_embeddings.weight"].shape
+    )
 
     all_losses, final = _reference(2)
     for tp, source in ((4, "sharded"), (1, "full.ckpt")):  # 2 x 2 -> 1 x 4 (sharded), 2 x 2 -> 4 x 1 (full)
@@ -138,7 +147,9 @@ def _model_parallel_then_flatshard(rank: int, world: int, tmp: str) -> dict[str,
     torch.set_num_threads(1)
     theirs = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
     first = _fit(world, theirs, 2, 1, os.path.join(tmp, "theirs"), fsdp2=True)
-    second = _fit(world, _flatshard(2, "sharded"), 2, 2, os.path.join(tmp, "ours"), os.path.join(tmp, "theirs"), seed=9)
+    second = _fit(
+        world, _flatshard(2, "sharded"), 2, 2, os.path.join(tmp, "ours"), os.path.join(tmp, "theirs"), seed=9
+    )
     return {"first": first, "second": second}
 
 
@@ -147,7 +158,9 @@ def _flatshard_then_model_parallel(rank: int, world: int, tmp: str) -> list[floa
 
     torch.set_num_threads(1)
     theirs = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=4)
-    return _fit(world, theirs, 1, 3, os.path.join(tmp, "theirs_again"), os.path.join(tmp, "ours"), seed=9, fsdp2=True)
+    return _fit(
+        world, theirs, 1, 3, os.path.join(tmp, "theirs_again"), os.path.join(tmp, "ours"), seed=9, fsdp2=True
+    )
 
 
 @pytest.mark.slow

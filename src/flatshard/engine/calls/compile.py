@@ -58,7 +58,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from flatshard.engine.runtime import get_unit_state
+from flatshard.engine.runtime import get_unit_state, unit_states
 from flatshard.engine.setup.activation_checkpointing import checkpointed_call
 
 __all__ = ["compile_kwargs", "compile_units", "leaf_units", "seal_enclosing_forwards"]
@@ -194,6 +194,12 @@ def compile_units(module: nn.Module, kwargs: Mapping[str, Any], *, root: bool = 
         raise ValueError(
             f"compile_units needs a module sharded with flatshard.shard, and {type(module).__name__} is not one. "
             "HINT: shard the model first."
+        )
+    if any(h.tensor_parallel is not None for s in unit_states(module) for h in s.handles):
+        raise ValueError(
+            "compile with tensor parallelism is not supported: torch's compiled backward of a unit whose "
+            "parameters are DTensor views fails to redistribute their gradients (torch 2.13, CPU). HINT: set "
+            "compile=False for a tensor-parallel model (see docs/guide.md, Limits)."
         )
     units = [u for u in leaf_units(module) if root or u is not module]
     if not units:

@@ -218,6 +218,12 @@ def plan_for(optimizer: torch.optim.Optimizer) -> WholeTensorPlan:
     groups: dict[tuple[int, torch.device, torch.dtype], WholeGroup] = {}
     for p in params:
         handle = handle_of_param(p)
+        if handle is not None and handle.tensor_parallel is not None:
+            raise ValueError(
+                f"{type(optimizer).__name__} needs each parameter whole, and in a tensor parallel model a rank holds "
+                "a tensor-parallel piece of it (see [Note: tensor parallelism]). HINT: use an elementwise optimizer "
+                "(AdamW, SGD) with tensor_parallel_size, or train without tensor parallelism."
+            )
         if handle is None or handle.shard_world == 1:  # not sharded: whole already
             continue
         i = handle.index_of(p)
