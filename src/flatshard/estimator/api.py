@@ -55,9 +55,10 @@ import torch
 
 from flatshard.engine import OptionErrors, ShardOptions, UnitLayout
 from flatshard.estimator.dry_run import Measured, dry_run, itemsize
-from flatshard.estimator.options import EstimateOptions, Link, parse_bytes, parse_link
+from flatshard.estimator.options import LINKS, EstimateOptions, Link, parse_bytes, parse_link
 from flatshard.estimator.runtime import Replay, factory_path, measure_runtime
 from flatshard.estimator.target import EstimateError, resolve_factory
+from flatshard.estimator.tensor_parallel import resolve_plan
 from flatshard.estimator.timing import collective_seconds, step_time
 
 __all__ = ["Estimate", "RankEstimate", "estimate"]
@@ -109,6 +110,10 @@ class RankEstimate:
     micro_batches: int = 1
     ranks_per_node: int = 8
     cross_node: int = 0
+    # tensor parallelism (see [Note: estimating tensor parallelism]): ranks per tensor-parallel group, and the bytes
+    # this rank sends into it per step by collective kind (DTensor's collectives; ``comm`` holds the engine's own)
+    tensor_parallel_size: int = 1
+    tensor_parallel_comm: dict[str, int] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool | None:
@@ -328,14 +333,18 @@ def _cross_node(groups: GroupBytes, micro_batches: int, rpn: int) -> int:
     for role, ranks, kinds in groups:
         if len({r // rpn for r in ranks}) < 2:
             continue
-        w = len(ranks)
-        wire = (
-            kinds.get("all_gather", 0) * (w - 1)
-            + kinds.get("reduce_scatter", 0) * (w - 1) / w
-            + kinds.get("all_reduce", 0) * 2 * (w - 1) / w
-        )
-        total += wire * (1 if role == "replicate" else micro_batches)
+        total += _ring_bytes(kinds, len(ranks)) * (1 if role == "replicate" else micro_batches)
     return int(total)
+
+
+def _ring_bytes(kinds: dict[str, int], w: int) -> float:
+    """What a rank puts on the links of a ring of ``w`` ranks for bytes counted as ``comm_stats`` counts them (see
+    [Note: bytes between nodes]); an all-to-all sends ``(w - 1) / w`` of its input."""
+    return (
+        kinds.get("all_gather", 0) * (w - 1)
+        + (kinds.get("reduce_scatter", 0) + kinds.get("all_to_all", 0)) * (w - 1) / w
+        + kinds.get("all_reduce", 0) * 2 * (w - 1) / w
+    )
 
 
 def _gathered_bytes(L: UnitLayout) -> int:
@@ -452,6 +461,8 @@ def _row(m: Measured, opts: EstimateOptions) -> RankEstimate:
         comm, groups = _layout_comm(layouts, shard_opts.reshard_root_after_forward)
         peak = m.params + m.grads + m.optimizer + m.buffers + gathered + other + lag + overhead
         notes.append("no example batch: activations not counted, gathered units from the schedule rules")
+        if opts.tensor_parallel_size > 1:
+            notes.append("no example batch: the tensor-parallel collectives (of activations) are not counted")
     activations, peak, activations_host = _offload_activations(m, opts, activations, peak, notes)
     host = 0
     if shard_opts.offload_optimizer:  # see [Note: optimizer offload]
@@ -479,6 +490,8 @@ def _row(m: Measured, opts: EstimateOptions) -> RankEstimate:
         by_group[role] = by_group.get(role, 0) + sum(kinds.values())
     rpn = _ranks_per_node(opts, m)
     cross = _cross_node(groups, opts.micro_batches, rpn)
+    tp_comm = next((dict(kinds) for role, _, kinds in groups if role == "tensor_parallel"), {})
+    tp_wire = _ring_bytes(tp_comm, opts.tensor_parallel_size)
     row = RankEstimate(
         world_size=m.world,
         shard_group_size=m.shard_group_size,
@@ -507,7 +520,9 @@ def _row(m: Measured, opts: EstimateOptions) -> RankEstimate:
         micro_batches=opts.micro_batches,
         ranks_per_node=rpn,
         cross_node=cross,
-        wire=_wire(comm, layouts),
+        wire=_wire(comm, layouts) + int(tp_wire),
+        tensor_parallel_size=opts.tensor_parallel_size,
+        tensor_parallel_comm=tp_comm,
         optimizer_exchange=_exchange(layouts, opts.optimizer),
         flops=m.flops,
         capacity=opts.capacity,
@@ -528,6 +543,18 @@ def _add_timing(row: RankEstimate, m: Measured, opts: EstimateOptions) -> None:
             m.collectives, m.flops, opts.tflops, shard_world, replicate_world, opts.link, replicate_link
         )
         row.compute_s, row.communication_s, row.exposed_s, row.step_s = t
+        if row.tensor_parallel_comm:  # the next operator needs each one's result: none of it overlaps
+            inside = row.tensor_parallel_size <= row.ranks_per_node
+            link = LINKS["nvlink"] if inside else opts.link
+            tp = sum(
+                collective_seconds(kind, n, row.tensor_parallel_size, link)
+                for kind, n in row.tensor_parallel_comm.items()
+            )
+            row.communication_s += tp
+            row.exposed_s += tp
+            row.step_s += tp
+            where = "on NVLink (the group is inside a node)" if inside else "on the shard link"
+            row.notes.append(f"tensor parallelism: its collectives timed {where}, all of their time exposed")
         return
     total = sum(
         collective_seconds(
@@ -542,6 +569,14 @@ def _add_timing(row: RankEstimate, m: Measured, opts: EstimateOptions) -> None:
     row.notes.append(
         "no example batch: communication time is the links' busy time, none of it known to overlap"
     )
+
+
+def _plan(size: Any, plan: Any, target: Any) -> Any:
+    """The tensor-parallel plan to use: resolved when a size above 1 asks for one (see [Note: estimating tensor
+    parallelism]); otherwise as given, for the options to judge."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 1:
+        return resolve_plan(plan, target)
+    return plan
 
 
 def _channel_segments(layouts: list[UnitLayout]) -> int:
@@ -619,6 +654,8 @@ def estimate(
     tflops: float = 400.0,
     capacity: int | str | None = None,
     overhead: int | str | None = None,
+    tensor_parallel_size: int = 1,
+    tensor_parallel_plan: str | Callable[[Any, Any], Any] | None = None,
 ) -> Estimate:
     """Estimate per-rank memory and per-step communication of sharded training, without running it.
 
@@ -650,6 +687,13 @@ def estimate(
         capacity: memory per device (``"80GiB"``), what "fits" means. Default: 80 GiB on cuda.
         overhead: memory per device outside tensors. Default: 1 GiB on cuda; on cpu the rank's runtime is
             measured instead (see [Note: a rank's runtime]), and a value given replaces the measurement.
+        tensor_parallel_size: ranks per tensor-parallel group, ``k``: the ``N`` ranks are a ``(N/k, k)`` mesh
+            ("data_parallel", "tensor_parallel"), the model is parallelized over the second dimension and sharded
+            over the first; the bytes DTensor sends between the ``k`` ranks are counted in ``comm_by_group``'s
+            ``"tensor_parallel"`` (see [Note: estimating tensor parallelism]). Default: 1.
+        tensor_parallel_plan: the function ``(model, tp_mesh) -> model`` (or ``"module.path:function"``) that
+            parallelizes the model with torch's ``parallelize_module``. Default: the target module's
+            ``tensor_parallel_plan`` (``flatshard.testing.llama`` has one).
 
     Returns:
         An :class:`Estimate`; ``str(format_table(estimate))`` is the command's table.
@@ -689,6 +733,8 @@ def estimate(
         overhead=extra,
         micro_batches=micro_batches,
         ranks_per_node=ranks_per_node,
+        tensor_parallel_size=tensor_parallel_size,
+        tensor_parallel_plan=_plan(tensor_parallel_size, tensor_parallel_plan, target),
     )
     factory = resolve_factory(target)
     name = target if isinstance(target, str) else getattr(target, "__qualname__", repr(target))
@@ -718,6 +764,12 @@ def estimate(
         "reshard_after_forward": shard_options.reshard_after_forward,
         "micro_batches": opts.micro_batches,
         "ranks_per_node": opts.ranks_per_node,
+        "tensor_parallel_size": opts.tensor_parallel_size,
+        "tensor_parallel_plan": (
+            getattr(opts.tensor_parallel_plan, "__qualname__", repr(opts.tensor_parallel_plan))
+            if opts.tensor_parallel_plan is not None
+            else None
+        ),
     }
     if not rows:
         raise EstimateError("nothing to estimate. HINT: pass --world-size.")

@@ -169,6 +169,19 @@ def add_parser(sub: Any) -> None:
         help="ranks per node (default: a hybrid shard group, else 8)",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks per tensor-parallel group, k: the N ranks are a (N/k, k) mesh, the model parallelized over k "
+        "and sharded over N/k (default 1)",
+    )
+    p.add_argument(
+        "--tensor-parallel-plan",
+        default=None,
+        help="module.path:function, a function (model, tp_mesh) -> model calling parallelize_module (default: "
+        "the target module's tensor_parallel_plan)",
+    )
+    p.add_argument(
         "--device", default="cuda", choices=("cuda", "cpu"), help="what the peak is for (default cuda)"
     )
     p.add_argument("--bandwidth", default=None, help=f"shard group link: {', '.join(LINKS)} or e.g. 400GB/s")
@@ -235,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
             tflops=args.tflops,
             capacity=args.gpu_memory,
             overhead=args.overhead,
+            tensor_parallel_size=args.tensor_parallel_size,
+            tensor_parallel_plan=args.tensor_parallel_plan,
         )
     except (EstimateError, ValueError, TypeError, ImportError) as err:
         message = str(err)

@@ -33,6 +33,7 @@ from flatshard.engine import (
 )
 from flatshard.estimator.options import EstimateOptions
 from flatshard.estimator.target import EstimateError, build, training_step
+from flatshard.estimator.tensor_parallel import TensorParallelTraffic, apply_plan, make_mesh
 from flatshard.estimator.tracker import StorageTracker
 
 __all__ = ["Collective", "Measured", "dry_run", "itemsize", "make_optimizer"]
@@ -75,7 +76,8 @@ class Measured:
     peak_breakdown: dict[str, int] = field(default_factory=dict)
     comm: dict[str, int] = field(default_factory=dict)  # bytes this rank sent per collective kind
     # bytes this rank sent per process group in the measured step: (role, the group's global ranks, bytes per
-    # collective kind), role "shard", "replicate" or "node" (reshard_after_forward=k's groups)
+    # collective kind), role "shard", "replicate", "node" (reshard_after_forward=k's groups) or "tensor_parallel"
+    # (DTensor's collectives: see [Note: estimating tensor parallelism])
     group_bytes: list[tuple[str, tuple[int, ...], dict[str, int]]] = field(default_factory=list)
     collectives: list[Collective] = field(default_factory=list)
     flops: int = 0
@@ -273,8 +275,10 @@ def dry_run(
         )
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=world)
     try:  # the fake group's state (its desync limit) goes with it: see [Note: state per process group]
+        k = opts.tensor_parallel_size
+        mesh = make_mesh(world, k) if k > 1 else None  # see [Note: estimating tensor parallelism]
         with _attention_as_on_devices():
-            return _measure(factory, name, opts, world, group, log_allocations)
+            return _measure(factory, name, opts, world, group, log_allocations, mesh)
     finally:
         dist.destroy_process_group()
 
@@ -286,9 +290,12 @@ def _measure(
     world: int,
     group: int | None,
     log_allocations: bool = False,
+    mesh: Any = None,
 ) -> Measured:
     built = build(factory, name)
     module = built.module
+    if mesh is not None:
+        module = apply_plan(opts.tensor_parallel_plan, module, mesh, name)
     options: ShardOptions = replace(
         opts.shard,
         device=META,
@@ -297,6 +304,7 @@ def _measure(
         cpu_offload=False,  # offload is accounted from the layout: see [Note: estimating a step]
         sync_module_states=False,
         param_init_fn=None,
+        device_mesh=mesh,
     )
     shard(module, options)
     layouts = unit_layouts(module)
@@ -346,7 +354,8 @@ def _measure(
     def mark(phase: str) -> None:
         marks[phase] = (tracker.live(), tracker.resizable_bytes())
 
-    with timeline() as records, tracker:
+    traffic = TensorParallelTraffic()
+    with timeline() as records, tracker, traffic:
         tracker.reset_peak()
         mark("start")
         _checked_step(name, module, built.batch, optimizer, mark)
@@ -356,6 +365,10 @@ def _measure(
         ranks, sent = group_traffic(g)
         kinds = {k: int(v - before.get(k, 0)) for k, v in sent.items() if v - before.get(k, 0)}
         measured.group_bytes.append((role, ranks, kinds))
+    if mesh is not None:
+        tp_group = mesh["tensor_parallel"].get_group(0)
+        tp_ranks = tuple(dist.get_process_group_ranks(tp_group))
+        measured.group_bytes.append(("tensor_parallel", tp_ranks, traffic.of(tp_group)))
     measured.gathered_max = tracker.resizable_peak
     live0, gathered0 = marks["start"]
     live1, gathered1 = marks["forward"]

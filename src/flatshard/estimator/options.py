@@ -212,6 +212,65 @@ def _check_group_sizes(value: object, strategy: ShardingStrategy | None) -> tupl
     return tuple(sorted(set(out)))
 
 
+def _check_tensor_parallel(
+    opts: EstimateOptions,
+    errors: OptionErrors,
+    worlds: tuple[int, ...] | None,
+    strategy: ShardingStrategy | None,
+    optimizer: str | type | None,
+) -> None:
+    """``tensor_parallel_size``: a positive int dividing every world size, with a plan, a strategy and an
+    optimizer that tensor parallelism takes (see [Note: estimating tensor parallelism])."""
+    k = opts.tensor_parallel_size
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        errors.extend(
+            ValueError(
+                f"tensor_parallel_size={k!r} must be a positive int. HINT: ranks per tensor-parallel group, "
+                "usually the GPUs of one node or fewer: --tensor-parallel-size 8."
+            )
+        )
+        return
+    if k == 1:
+        if opts.tensor_parallel_plan is not None:
+            errors.extend(
+                ValueError(
+                    "a tensor-parallel plan was given without a tensor-parallel size. HINT: add "
+                    "--tensor-parallel-size k (tensor_parallel_size=k), or drop the plan."
+                )
+            )
+        return
+    for n in worlds or ():
+        if n % k:
+            errors.extend(
+                ValueError(
+                    f"tensor-parallel size {k} does not divide world size {n}: the world is a (N/{k}, {k}) mesh. "
+                    f"HINT: give world sizes that are multiples of {k}."
+                )
+            )
+    if opts.tensor_parallel_plan is None or not callable(opts.tensor_parallel_plan):
+        errors.extend(
+            ValueError(
+                f"tensor_parallel_size={k} needs a plan, a function (model, tp_mesh) -> model. HINT: pass "
+                "tensor_parallel_plan=... (--tensor-parallel-plan module.path:function)."
+            )
+        )
+    if strategy is not None and strategy.is_hybrid:
+        errors.extend(
+            ValueError(
+                f"the estimate of {strategy.name} with tensor parallelism is not supported: it needs a (replicate, "
+                "shard, tensor_parallel) mesh. HINT: estimate FULL_SHARD or SHARD_GRAD_OP over the data-parallel "
+                "ranks."
+            )
+        )
+    if optimizer == "muon":
+        errors.extend(
+            ValueError(
+                "optimizer 'muon' with tensor parallelism: flatshard refuses whole-tensor optimizers on "
+                "tensor-parallel models (each rank holds a piece of every matrix). HINT: use adamw."
+            )
+        )
+
+
 @dataclass(frozen=True)
 class EstimateOptions:
     """What to estimate, besides the model.
@@ -233,6 +292,10 @@ class EstimateOptions:
         overhead: bytes per device outside tensors (CUDA context, communication buffers); default 1 GiB on
             cuda; on cpu ``None`` (the default) has the rank's runtime measured instead (see [Note: a rank's
             runtime]), and a value replaces the measurement.
+        tensor_parallel_size: ranks per tensor-parallel group, ``k``: the world of ``N`` ranks is the mesh
+            ``(N/k, k)`` (see [Note: estimating tensor parallelism]). Default: 1 (none).
+        tensor_parallel_plan: with ``tensor_parallel_size`` above 1, the function ``(model, tp_mesh) -> model``
+            that parallelizes the model.
     """
 
     world_sizes: tuple[int, ...]
@@ -247,6 +310,8 @@ class EstimateOptions:
     overhead: int | None = None
     micro_batches: int = 1
     ranks_per_node: int | None = None
+    tensor_parallel_size: int = 1
+    tensor_parallel_plan: Any = None
 
     def __post_init__(self) -> None:
         errors = OptionErrors("estimate")
@@ -284,6 +349,7 @@ class EstimateOptions:
                         "8 ranks per node."
                     )
                 )
+        _check_tensor_parallel(self, errors, worlds, strategy, optimizer)
         if isinstance(self.shard, ShardOptions) and self.shard.cpu_offload and device == "cpu":
             errors.extend(
                 ValueError(

@@ -27,6 +27,8 @@ def format_seconds(s: float | None) -> str:
 
 
 def _column(r: RankEstimate) -> str:
+    if r.tensor_parallel_size > 1:
+        return f"{r.world_size} ({r.world_size // r.tensor_parallel_size} dp x {r.tensor_parallel_size} tp)"
     if r.shard_group_size is None:
         return f"{r.world_size} ranks"
     return f"{r.world_size} ({r.world_size // r.shard_group_size}x{r.shard_group_size})"
@@ -83,14 +85,30 @@ def format_table(est: Estimate) -> str:
     }
     for kind in kinds:
         add(f"  {names.get(kind, kind)}", _comm_of(kind))
+    tp_kinds = sorted(
+        {k for r in rows for k in r.tensor_parallel_comm},
+        key=lambda k: order.index(k) if k in order else len(order),
+    )
+    for kind in tp_kinds:
+
+        def tp_of(r: RankEstimate, kind: str = kind) -> str:
+            return format_bytes(r.tensor_parallel_comm.get(kind, 0))
+
+        add(f"  tensor-parallel {kind.replace('_', '-')}", tp_of)
     add(
         "  optimizer exchange (Muon)",
         lambda r: format_bytes(r.optimizer_exchange),
         any(r.optimizer_exchange for r in rows),
     )
-    add("  total", lambda r: format_bytes(sum(r.comm.values()) + r.optimizer_exchange))
+    add(
+        "  total",
+        lambda r: format_bytes(
+            sum(r.comm.values()) + sum(r.tensor_parallel_comm.values()) + r.optimizer_exchange
+        ),
+    )
     add("  sent on the links (ring)", lambda r: format_bytes(r.wire))
-    groups = [g for g in ("shard", "replicate", "node") if any(g in r.comm_by_group for r in rows)]
+    roles = ("shard", "replicate", "node", "tensor_parallel")
+    groups = [g for g in roles if any(g in r.comm_by_group for r in rows)]
     if len(groups) > 1:
         for g in groups:
 

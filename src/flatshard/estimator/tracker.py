@@ -12,7 +12,8 @@ operator's internal scratch memory is not seen.
 Storages that exist before tracking starts (the shards, the optimizer state) are registered up front with
 :meth:`StorageTracker.watch`. The gathered flat parameters keep one storage object whose size the engine
 changes (freed to zero after use, allocated again for the next gather), so their sizes are read at every
-operator rather than once (:meth:`StorageTracker.watch_resizable`). Memory that no tensor storage holds (the
+operator rather than once (:meth:`StorageTracker.watch_resizable`). A DTensor operator (tensor parallelism) is
+declined, so that DTensor runs it and the operators on its local tensors, which hold the storage, come back here. Memory that no tensor storage holds (the
 CUDA context, the communication library's buffers, a CPU allocator's cached blocks) is not in this measure.
 
 With ``log`` the tracker also keeps the step's allocations and frees in order (:attr:`StorageTracker.allocations`):
@@ -33,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["StorageTracker"]
+__all__ = ["StorageTracker", "dtensor_type"]
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -41,6 +42,15 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
         return None
+
+
+def dtensor_type() -> type | None:
+    """torch's DTensor class (``None`` in a build without distributed)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - a build without distributed
+        return None
+    return DTensor
 
 
 class StorageTracker(TorchDispatchMode):
@@ -80,6 +90,7 @@ class StorageTracker(TorchDispatchMode):
         self._log_keys: dict[int, int] = {}  # id(storage) -> its key in ``allocations``
         self._logged_sizes: dict[int, int] = {}  # resizable storages: the size last logged
         self._next_key = 0
+        self._dtensor = dtensor_type()
 
     # ------------------------------------------------------------------ registration
     def _forget(self, key: int) -> None:
@@ -190,6 +201,8 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
+        if self._dtensor is not None and any(issubclass(t, self._dtensor) for t in types):
+            return NotImplemented  # DTensor runs first: its operators on local tensors come back here
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         for t in tree_flatten((args, kwargs, out))[0]:

@@ -4,19 +4,32 @@
 Llama 3.2 1B and Llama 3.1 8B / 70B (grouped-query attention, SwiGLU MLP, RMSNorm, rotary positions, a
 128,256-token vocabulary) and a batch of one 4,096-token sequence: targets for
 ``flatshard estimate flatshard.testing.llama:llama_8b --world-size 8,64,512``. ``tiny_llama`` is the same
-architecture at test size.
+architecture at test size. :func:`tensor_parallel_plan` parallelizes any of them with torch's
+``parallelize_module`` (see [Note: tensor parallelism]): the plan ``flatshard estimate --tensor-parallel-size``
+uses for this module's targets.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["Llama", "LlamaBlock", "LlamaConfig", "llama", "llama_1b", "llama_8b", "llama_70b", "tiny_llama"]
+__all__ = [
+    "Llama",
+    "LlamaBlock",
+    "LlamaConfig",
+    "llama",
+    "llama_1b",
+    "llama_8b",
+    "llama_70b",
+    "tensor_parallel_plan",
+    "tiny_llama",
+]
 
 
 @dataclass(frozen=True)
@@ -87,14 +100,15 @@ class LlamaBlock(nn.Module):
         b, s, _ = x.shape
         head = cfg.dim // cfg.n_heads
         h = self.attention_norm(x)
-        q = self.wq(h).view(b, s, cfg.n_heads, head).transpose(1, 2)
-        k = self.wk(h).view(b, s, cfg.n_kv_heads, head).transpose(1, 2)
-        v = self.wv(h).view(b, s, cfg.n_kv_heads, head).transpose(1, 2)
+        # heads: -1, so that a tensor-parallel rank's share of them fits (see tensor_parallel_plan)
+        q = self.wq(h).view(b, s, -1, head).transpose(1, 2)
+        k = self.wk(h).view(b, s, -1, head).transpose(1, 2)
+        v = self.wv(h).view(b, s, -1, head).transpose(1, 2)
         q, k = _rotate(q, cfg.rope_theta), _rotate(k, cfg.rope_theta)
         att = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=cfg.n_kv_heads != cfg.n_heads
         )
-        x = x + self.wo(att.transpose(1, 2).reshape(b, s, cfg.dim))
+        x = x + self.wo(att.transpose(1, 2).reshape(b, s, -1))
         h = self.ffn_norm(x)
         out: torch.Tensor = x + self.w2(F.silu(self.w1(h)) * self.w3(h))
         return out
@@ -150,3 +164,49 @@ def tiny_llama(seq: int = 32, batch: int = 2) -> tuple[nn.Module, tuple[torch.Te
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, cfg.vocab, (batch, seq + 1), generator=g).to(torch.get_default_device())
     return Llama(cfg), (tokens[:, :-1], tokens[:, 1:])
+
+
+def tensor_parallel_plan(model: Llama, tp_mesh: Any) -> Llama:
+    """Parallelize ``model`` over the 1-D mesh ``tp_mesh`` in place (Megatron's layout, without sequence
+    parallelism); returns ``model``.
+
+    Column-wise ``wq``, ``wk``, ``wv``, ``w1``, ``w3`` (each rank computes its share of the heads and of the
+    hidden features), row-wise ``wo`` and ``w2`` (their partial sums are all-reduced), a vocabulary-sharded
+    embedding (its partial rows all-reduced) and a vocabulary-sharded output whose logits are all-gathered. Norms
+    stay replicated: they run on the whole hidden state. The blocks compute attention inline, so the plan needs no
+    module boundaries inside them. A tied embedding stays tied (both sides shard the vocabulary).
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if not isinstance(model, Llama):
+        raise TypeError(
+            f"tensor_parallel_plan takes a flatshard.testing.llama.Llama, got {type(model).__name__}. HINT: give "
+            "your model's own plan (a function (model, tp_mesh) -> model)."
+        )
+    cfg, size = model.cfg, tp_mesh.size()
+    if cfg.n_heads % size or cfg.n_kv_heads % size:
+        raise ValueError(
+            f"a tensor-parallel size of {size} does not divide the model's {cfg.n_heads} attention heads and "
+            f"{cfg.n_kv_heads} key/value heads. HINT: use a divisor of {cfg.n_kv_heads}."
+        )
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
+    if cfg.tie_embeddings:  # both weights are Shard(0) over the vocabulary: keep one
+        model.output.weight = model.tok_embeddings.weight
+    for block in model.layers:
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                **{name: ColwiseParallel() for name in ("wq", "wk", "wv", "w1", "w3")},
+                **{name: RowwiseParallel() for name in ("wo", "w2")},
+            },
+        )
+    return model
