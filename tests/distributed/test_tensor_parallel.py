@@ -171,6 +171,9 @@ def _refused(rank: int, world: int, what: str) -> str:
             from flatshard.engine import compile_units
 
             compile_units(model, {"backend": "aot_eager"}, root=False)
+        elif what == "unshard_params":
+            with flatshard.unshard_params(model):
+                pass
         else:
             opt = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=1e-2)
             model(torch.zeros(2, 8, dtype=torch.long)).sum().backward()
@@ -180,7 +183,7 @@ def _refused(rank: int, world: int, what: str) -> str:
     return "not refused"
 
 
-@pytest.mark.parametrize("what", ["compile", "muon"])
+@pytest.mark.parametrize("what", ["compile", "muon", "unshard_params"])
 def test_unsupported_combinations_are_refused_with_a_hint(what: str) -> None:
     message = spawn(_refused, 4, what)[0]
     assert "tensor parallel" in message and "HINT" in message, message

@@ -193,6 +193,13 @@ def unshard_params(
                 "the module given to flatshard.shard (or a wrapped submodule), or use recurse=True."
             )
         states = [own]
+    if any(h.tensor_parallel is not None for s in states for h in s.handles):
+        raise ValueError(
+            "unshard_params of a tensor parallel model would give each rank its tensor-parallel pieces as plain "
+            "tensors, which the model's plan cannot run (see [Note: tensor parallelism]). HINT: call the model (or "
+            "a method registered with register_forward_method, such as generate) directly: it gathers as in "
+            "training; for whole weights use get_state_dict(model) or save_checkpoint / save_pretrained."
+        )
     done: list[_Unsharded] = []
     for s in states:
         s.summoned = Summoned.FULL
