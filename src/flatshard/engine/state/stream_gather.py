@@ -76,13 +76,14 @@ class FlatStream:
         keep: bool,
         device: torch.device,
         chunk_bytes: int | None = None,
+        local: bool = False,
     ) -> None:
         self.group = group
         self.device = device
         chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         self.chunk_bytes = max(4096, chunk_bytes - chunk_bytes % 4096)
-        # no group: a shard group of one rank (the shard is the whole flat tensor), nothing to exchange
-        distributed = dist.is_available() and dist.is_initialized() and group is not None
+        # ``local``: a shard group of one rank (the shard is the whole flat tensor), nothing to exchange
+        distributed = dist.is_available() and dist.is_initialized() and not local
         self.world = dist.get_world_size(group) if distributed else 1
         self.rank = dist.get_rank(group) if distributed else 0
         self.keep = keep
@@ -332,9 +333,9 @@ def gather_items(
     [Note: streamed full-state gathers].
     """
     results: list[dict[int, torch.Tensor]] = [{} for _ in items]
-    channels: dict[tuple[int, torch.device], list[int]] = {}
+    channels: dict[tuple[int, torch.device, bool], list[int]] = {}
     for i, item in enumerate(items):
-        channels.setdefault((id(item.group), item.device), []).append(i)
+        channels.setdefault((id(item.group), item.device, item.layout.world_size == 1), []).append(i)
     gathers = _gathers_data_parallel(items, keep)
     for idxs in channels.values():
         outs = _gather_channel([items[i] for i in idxs], gathers, chunk_bytes)
@@ -354,7 +355,7 @@ def _gather_channel(
         UnitOutputs(it.layout, it.wanted, it.dtype, it.out_device, prefault) if keep else None for it in items
     ]
     with prefault:
-        stream = FlatStream(group, keep, device, chunk_bytes)
+        stream = FlatStream(group, keep, device, chunk_bytes, local=items[0].layout.world_size == 1)
         try:
             for it, out in zip(items, outputs, strict=True):
                 stream.gather(it.layout.shard_numel, it.dtype, it.pieces, out.deliver if out else None)
@@ -379,7 +380,7 @@ def gather_by_unit(
     for i, item in enumerate(items):
         units.setdefault(id(item.layout), []).append(i)
     whole, keep = keep, _gathers_data_parallel(items, keep)  # see [Note: tensor parallelism]
-    streams: dict[tuple[int, torch.device], FlatStream] = {}
+    streams: dict[tuple[int, torch.device, bool], FlatStream] = {}
     try:
         for unit in units.values():
             prefault = Prefaulter()
@@ -394,10 +395,11 @@ def gather_by_unit(
             with prefault:
                 for i in unit:
                     item, out = items[i], outputs[i]
-                    key = (id(item.group), item.device)
+                    local = item.layout.world_size == 1
+                    key = (id(item.group), item.device, local)
                     stream = streams.get(key)
                     if stream is None:  # opened collectively, at the same point on every rank
-                        stream = streams[key] = FlatStream(item.group, keep, item.device, chunk_bytes)
+                        stream = streams[key] = FlatStream(item.group, keep, item.device, chunk_bytes, local)
                     stream.gather(
                         item.layout.shard_numel, item.dtype, item.pieces, out.deliver if out else None
                     )
