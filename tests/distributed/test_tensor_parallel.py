@@ -165,8 +165,10 @@ def _refused(rank: int, world: int, what: str) -> str:
         (1, 4) if what == "muon" else (2, 2)
     )  # 1 x 4: the parameters keep their (local) matrix shapes
     model = llama_plan(TPLlama(), mesh["tensor_parallel"])
-    flatshard.shard(model, device_mesh=mesh, auto_wrap_policy={Block})
     try:
+        if what == "hybrid":
+            flatshard.shard(model, device_mesh=mesh, sharding_strategy="HYBRID_SHARD")
+        flatshard.shard(model, device_mesh=mesh, auto_wrap_policy={Block})
         if what == "compile":
             from flatshard.engine import compile_units
 
@@ -183,7 +185,7 @@ def _refused(rank: int, world: int, what: str) -> str:
     return "not refused"
 
 
-@pytest.mark.parametrize("what", ["compile", "muon", "unshard_params"])
+@pytest.mark.parametrize("what", ["compile", "muon", "unshard_params", "hybrid"])
 def test_unsupported_combinations_are_refused_with_a_hint(what: str) -> None:
     message = spawn(_refused, 4, what)[0]
     assert "tensor parallel" in message and "HINT" in message, message

@@ -569,8 +569,8 @@ class ShardOptions:
             replicates, dim 1 shards), instead of ``process_group`` or ``shard_group_size``. For a model
             parallelized with torch's ``parallelize_module`` (DTensor parameters), the whole ``DeviceMesh``: its
             last dimension is the tensor-parallel one the model was parallelized over and the others are the
-            data-parallel ones, ``("data_parallel", "tensor_parallel")`` or, for hybrid strategies,
-            ``("replicate", "shard", "tensor_parallel")`` (see [Note: tensor parallelism]). Default: ``None``.
+            data-parallel one, ``("data_parallel", "tensor_parallel")`` (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD; see
+            [Note: tensor parallelism]). Default: ``None``.
         shard_group_size: hybrid strategies: ranks per shard group (consecutive ranks; must divide the world
             size). Default: ``LOCAL_WORLD_SIZE`` (shard within a node).
         device: where shards and compute live. Default: the accelerator the module is on; else the current

@@ -256,6 +256,11 @@ def _data_parallel_groups(
             "was parallelized over, e.g. init_device_mesh('cuda', (dp, tp), mesh_dim_names=('data_parallel', "
             "'tensor_parallel'))."
         )
+    if tp_mesh is not None and strategy.is_hybrid:
+        raise ValueError(
+            f"sharding_strategy={strategy.name} with a tensor parallel model is not supported. HINT: use FULL_SHARD "
+            "(or SHARD_GRAD_OP) over the data_parallel dimension of a (data_parallel, tensor_parallel) mesh."
+        )
     whole = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
     if isinstance(mesh, tuple):  # (replicas, ranks per shard group)
         if tp_mesh is not None:
@@ -280,26 +285,15 @@ def _data_parallel_groups(
         )
         return shard_group, replicate_group, (sync if opts.sync_module_states else None)
     data = data_parallel_mesh(mesh, tp_mesh)
-    tp = tp_mesh.size() if tp_mesh is not None else 1
     if data is None:  # tensor parallelism alone: nothing to shard over
-        if strategy.is_hybrid:
-            raise ValueError(
-                f"sharding_strategy={strategy.name} needs (replicate, shard) dimensions beside tensor_parallel; "
-                f"device_mesh has only {mesh.mesh_dim_names}. HINT: use FULL_SHARD."
-            )
         return None, None, None
     if data.ndim == 1:
         group: Any = data.get_group(0)
         if data.size() == 1:
             return None, None, None
-        shard_group, replicate_group = resolve_groups(strategy, group, opts.shard_group_size, tp)
+        shard_group, replicate_group = resolve_groups(strategy, group, opts.shard_group_size)
         return shard_group, replicate_group, (group if opts.sync_module_states else None)
-    shard_group, replicate_group = resolve_groups(strategy, data, opts.shard_group_size, tp)
-    if opts.sync_module_states and tp_mesh is not None:
-        raise ValueError(
-            "sync_module_states over a (replicate, shard, tensor_parallel) mesh is not supported. HINT: give every "
-            "rank the same weights (seed, or load_pretrained after shard())."
-        )
+    shard_group, replicate_group = resolve_groups(strategy, data, opts.shard_group_size)
     return shard_group, replicate_group, (whole if opts.sync_module_states else None)
 
 

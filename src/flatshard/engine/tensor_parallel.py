@@ -163,9 +163,9 @@ def plain_tensor_parallel_params(
 
 
 def data_parallel_mesh(device_mesh: Any, tensor_parallel: Any | None) -> Any | None:
-    """The data-parallel part of ``device_mesh``: every dimension but the tensor-parallel one (its last), as a
-    1-D mesh (shard) or a 2-D one (replicate, shard); ``None`` when nothing is left. Without tensor-parallel
-    parameters (``tensor_parallel`` is ``None``) the whole mesh."""
+    """The data-parallel part of ``device_mesh``: the dimension before the tensor-parallel one (its last), as a
+    1-D mesh; ``None`` when there is none. Without tensor-parallel parameters (``tensor_parallel`` is ``None``)
+    the whole mesh."""
     if type(device_mesh).__name__ != "DeviceMesh":
         raise TypeError(f"device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}.")
     if tensor_parallel is None:
@@ -179,12 +179,10 @@ def data_parallel_mesh(device_mesh: Any, tensor_parallel: Any | None) -> Any | N
             "(dp, tp), mesh_dim_names=('data_parallel', 'tensor_parallel')) and parallelize_module(model, "
             "mesh['tensor_parallel'], plan)."
         )
-    if device_mesh.ndim > 3:
+    if device_mesh.ndim > 2:
         raise ValueError(
-            f"device_mesh has {device_mesh.ndim} dimensions {names}; flatshard takes (data_parallel, tensor_parallel) "
-            "or (replicate, shard, tensor_parallel)."
+            f"device_mesh has {device_mesh.ndim} dimensions {names}; a tensor parallel model is sharded over a "
+            "(data_parallel, tensor_parallel) mesh. HINT: init_device_mesh(device, (dp, tp), "
+            "mesh_dim_names=('data_parallel', 'tensor_parallel'))."
         )
-    if device_mesh.ndim == 1:
-        return None
-    rest = names[:-1]
-    return device_mesh[rest[0]] if len(rest) == 1 else device_mesh[tuple(rest)]
+    return None if device_mesh.ndim == 1 else device_mesh[names[0]]

@@ -116,10 +116,10 @@ def _check_parallel_sizes(
             f"tensor_parallel_size builds the device mesh itself; {', '.join(given)} cannot be given with it. HINT: "
             "drop them (hybrid strategies: shard_group_size sets the shard dimension)."
         )
-    if shard.sharding_strategy.is_hybrid and shard.shard_group_size is None:
+    if shard.sharding_strategy.is_hybrid:
         raise ValueError(
-            f"{shard.sharding_strategy.name} with tensor_parallel_size needs shard_group_size (ranks of the shard "
-            "dimension of the (replicate, shard, tensor_parallel) mesh). HINT: set shard_group_size, or use FULL_SHARD."
+            f"sharding_strategy={shard.sharding_strategy.name} with tensor_parallel_size is not supported. HINT: use "
+            "FULL_SHARD (or SHARD_GRAD_OP): it shards over the data_parallel dimension."
         )
 
 
@@ -164,9 +164,7 @@ class StrategyOptions:
             once, on the last one. Fabric has no such argument: a Fabric loop chooses per backward with
             ``fabric.no_backward_sync(model)``.
         tensor_parallel_size: ranks of each tensor-parallel group (``"auto"``: the devices of one node). The
-            strategy builds a ``("data_parallel", "tensor_parallel")`` device mesh (``("replicate", "shard",
-            "tensor_parallel")`` under hybrid strategies, whose shard groups are ``shard_group_size`` ranks),
-            shown to the LightningModule as ``self.device_mesh`` (Fabric: ``fabric.strategy.device_mesh``).
+            strategy builds a ``("data_parallel", "tensor_parallel")`` device mesh, shown to the LightningModule as ``self.device_mesh`` (Fabric: ``fabric.strategy.device_mesh``).
             ``configure_model`` applies the model's plan (torch's ``parallelize_module`` on
             ``self.device_mesh["tensor_parallel"]``); flatshard then shards the local tensors over the
             data-parallel ranks, and the sampler splits data over them only (see [Note: tensor parallelism]).
@@ -285,15 +283,7 @@ class StrategyOptions:
                 f"data_parallel_size={dp} x tensor_parallel_size={tp} must equal the world size ({world_size}). HINT: "
                 f"use a tensor_parallel_size dividing {world_size} and data_parallel_size='auto'."
             )
-        if not self.shard.sharding_strategy.is_hybrid:
-            return (dp, tp), ("data_parallel", "tensor_parallel")
-        k = self.shard.shard_group_size
-        assert k is not None
-        if dp % k:
-            raise ValueError(
-                f"shard_group_size={k} does not divide the data-parallel size {dp}. HINT: use a divisor of {dp}."
-            )
-        return (dp // k, k, tp), ("replicate", "shard", "tensor_parallel")
+        return (dp, tp), ("data_parallel", "tensor_parallel")
 
     def build_mesh(self, world_size: int, ranks_per_node: int, device: torch.device) -> Any | None:
         """The device mesh of ``tensor_parallel_size`` (collective: every rank calls), or ``None`` without it."""
@@ -308,8 +298,6 @@ class StrategyOptions:
         shard = self.shard
         if not shard.sharding_strategy.is_hybrid or shard.process_group is not None:
             return {}
-        if self.tensor_parallel_size is not None:  # the mesh carries the groups: see build_mesh
-            return {"shard_group_size": None}
         mesh = shard.device_mesh
         if isinstance(mesh, tuple):
             replicas, size = mesh

@@ -41,15 +41,9 @@ log = logging.getLogger(__name__)
 
 
 def resolve_groups(
-    strategy: ShardingStrategy,
-    process_group: Any | None,
-    shard_group_size: int | None = None,
-    tensor_parallel_size: int = 1,
+    strategy: ShardingStrategy, process_group: Any | None, shard_group_size: int | None = None
 ) -> tuple[Any | None, Any | None]:
-    """``(shard_group, replicate_group)``; ``None`` for a group of one rank or a non-distributed run.
-
-    ``tensor_parallel_size``: ranks of the world holding other pieces of each parameter (see [Note: tensor
-    parallelism]); hybrid groups then cover the world divided by it."""
+    """``(shard_group, replicate_group)``; ``None`` for a group of one rank or a non-distributed run."""
     if not (dist.is_available() and dist.is_initialized()):
         if process_group is not None:
             raise ValueError(
@@ -63,7 +57,7 @@ def resolve_groups(
             )
         return None, None
     if strategy.is_hybrid:
-        return _resolve_hybrid(strategy, process_group, shard_group_size, tensor_parallel_size)
+        return _resolve_hybrid(strategy, process_group, shard_group_size)
     if shard_group_size is not None:
         raise ValueError(
             f"shard_group_size={shard_group_size} only applies to HYBRID_SHARD / HYBRID_SHARD_ZERO2, not "
@@ -85,12 +79,9 @@ def _is_mesh(value: Any) -> bool:
 
 
 def _resolve_hybrid(
-    strategy: ShardingStrategy,
-    process_group: Any | None,
-    shard_group_size: int | None,
-    tensor_parallel_size: int,
+    strategy: ShardingStrategy, process_group: Any | None, shard_group_size: int | None
 ) -> tuple[Any, Any]:
-    world = dist.get_world_size() // tensor_parallel_size
+    world = dist.get_world_size()
     if process_group is not None and shard_group_size is not None:
         raise ValueError(
             "Give either shard_group_size or process_group (a (shard_group, replicate_group) tuple or a "
@@ -116,12 +107,6 @@ def _resolve_hybrid(
             f"DeviceMesh, got {type(process_group).__name__}. HINT: or pass shard_group_size=k."
         )
     else:
-        if tensor_parallel_size > 1:
-            raise ValueError(
-                f"{strategy.name} with tensor parallelism takes its groups from a (replicate, shard, tensor_parallel) "
-                "device_mesh. HINT: init_device_mesh(device, (r, s, tp), mesh_dim_names=('replicate', 'shard', "
-                "'tensor_parallel'))."
-            )
         k = shard_group_size if shard_group_size is not None else _local_world_size(strategy)
         shard, replicate = hybrid_groups(k)
         _report_degenerate(strategy, k, world)
