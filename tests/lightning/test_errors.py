@@ -119,6 +119,37 @@ BAD_HYBRID_ARGUMENTS = [
 ]
 
 
+BAD_TENSOR_PARALLEL_ARGUMENTS = [
+    ({"tensor_parallel_size": 0}, ValueError, "positive int or 'auto'"),
+    ({"tensor_parallel_size": "2"}, ValueError, "positive int or 'auto'"),
+    ({"data_parallel_size": 2}, ValueError, "needs tensor_parallel_size"),
+    ({"tensor_parallel_size": 2, "data_parallel_size": -1}, ValueError, "data_parallel_size=-1"),
+    ({"tensor_parallel_size": 2, "sharding_strategy": "HYBRID_SHARD"}, ValueError, "not supported"),
+    ({"tensor_parallel_size": 2, "device_mesh": object()}, TypeError, "DeviceMesh"),
+]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    BAD_TENSOR_PARALLEL_ARGUMENTS,
+    ids=[f"tp-{i}" for i in range(len(BAD_TENSOR_PARALLEL_ARGUMENTS))],
+)
+def test_bad_tensor_parallel_arguments_are_refused(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        flatshard.FlatShardStrategy(**kwargs)
+
+
+def test_tensor_parallel_sizes_must_cover_the_world() -> None:
+    options = flatshard.FlatShardStrategy(tensor_parallel_size=3).options
+    with pytest.raises(ValueError, match="must equal the world size"):
+        options.mesh_shape(world_size=4, ranks_per_node=4)
+    assert options.mesh_shape(world_size=6, ranks_per_node=6) == ((2, 3), ("data_parallel", "tensor_parallel"))
+    auto = flatshard.FlatShardStrategy(tensor_parallel_size="auto").options
+    assert auto.mesh_shape(world_size=16, ranks_per_node=8) == ((2, 8), ("data_parallel", "tensor_parallel"))
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "kwargs, error, match",
