@@ -145,6 +145,11 @@ OPTIONS = {
     ),
     "bf16": ({"mixed_precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}, 5e-2),
     "reshard_after_forward_false": ({"reshard_after_forward": False}, 5e-5),
+    "sync_module_states": ({"sync_module_states": True}, 5e-5),
+    "optimizer_offload": ({"cpu_offload": "optimizer"}, 5e-5),
+    "cpu_offload": ({"cpu_offload": True}, 5e-5),
+    "grad_op": ({"sharding_strategy": "SHARD_GRAD_OP"}, 5e-5),
+    "no_shard": ({"sharding_strategy": "NO_SHARD"}, 5e-5),
 }
 
 
