@@ -123,14 +123,18 @@ def _save(rank: int, world: int, shape: tuple[int, int], tmp: str, kind: str) ->
     return {"state": state, "optim": optim}
 
 
-def _load(rank: int, world: int, shape: tuple[int, int], tmp: str, kind: str) -> dict[str, Any]:
-    """Load the checkpoint into a model on ``shape`` and return its full state (rank 0)."""
+def _load(rank: int, world: int, shape: tuple[int, int] | None, tmp: str, kind: str) -> dict[str, Any]:
+    """Load the checkpoint into a model on ``shape`` (``None``: plain flatshard, no tensor parallelism) and return
+    its full state (rank 0)."""
     torch.set_num_threads(1)
-    mesh = mesh_2d(shape)
     torch.manual_seed(1)  # other initial weights: the load must replace every one
     model = TPLlama()
-    llama_plan(model, mesh["tensor_parallel"])
-    flatshard.shard(model, device_mesh=mesh, auto_wrap_policy={Block})
+    if shape is None:
+        flatshard.shard(model, auto_wrap_policy={Block})
+    else:
+        mesh = mesh_2d(shape)
+        llama_plan(model, mesh["tensor_parallel"])
+        flatshard.shard(model, device_mesh=mesh, auto_wrap_policy={Block})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     flatshard.load_checkpoint(f"{tmp}/{kind}", model, opt)
     state, optim = flatshard.get_state_dict(model, opt)
@@ -199,7 +203,7 @@ def test_unsupported_combinations_are_refused_with_a_hint(what: str) -> None:
 @pytest.mark.parametrize("kind", ["full", "sharded"])
 def test_checkpoints_resume_on_other_mesh_shapes(tmp_path: Any, kind: str) -> None:
     saved = spawn(_save, 4, (2, 2), str(tmp_path), kind)[0]
-    for shape in [(4, 1), (1, 4)]:
+    for shape in [(4, 1), (1, 4), None]:
         loaded = spawn(_load, 4, shape, str(tmp_path), kind)[0]
         assert loaded["state"].keys() == saved["state"].keys()
         for key, value in saved["state"].items():
@@ -207,6 +211,14 @@ def test_checkpoints_resume_on_other_mesh_shapes(tmp_path: Any, kind: str) -> No
         for i, entries in saved["optim"]["state"].items():
             for k, v in entries.items():
                 torch.testing.assert_close(loaded["optim"]["state"][i][k], v, atol=0, rtol=0)
-    if kind == "full":  # a plain file of the original shapes: loads into the unsharded model
-        plain = TPLlama()
-        plain.load_state_dict(torch.load(tmp_path / "full", weights_only=True)["state_dict"])
+    path = tmp_path / "full"
+    if kind == "sharded":  # consolidated offline, it is the same plain file
+        path = tmp_path / "consolidated.ckpt"
+        flatshard.checkpoint.consolidate(str(tmp_path / "sharded"), str(path))
+    plain = torch.load(path, weights_only=True)
+    TPLlama().load_state_dict(plain["state_dict"])  # the original shapes: loads into the unsharded model
+    for key, value in saved["state"].items():
+        torch.testing.assert_close(plain["state_dict"][key], value, atol=0, rtol=0)
+    for i, entries in saved["optim"]["state"].items():
+        for k, v in entries.items():
+            torch.testing.assert_close(plain["optimizer_states"][0]["state"][i][k], v, atol=0, rtol=0)

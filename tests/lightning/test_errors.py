@@ -145,7 +145,10 @@ def test_tensor_parallel_sizes_must_cover_the_world() -> None:
     options = flatshard.FlatShardStrategy(tensor_parallel_size=3).options
     with pytest.raises(ValueError, match="must equal the world size"):
         options.mesh_shape(world_size=4, ranks_per_node=4)
-    assert options.mesh_shape(world_size=6, ranks_per_node=6) == ((2, 3), ("data_parallel", "tensor_parallel"))
+    assert options.mesh_shape(world_size=6, ranks_per_node=6) == (
+        (2, 3),
+        ("data_parallel", "tensor_parallel"),
+    )
     auto = flatshard.FlatShardStrategy(tensor_parallel_size="auto").options
     assert auto.mesh_shape(world_size=16, ranks_per_node=8) == ((2, 8), ("data_parallel", "tensor_parallel"))
 
