@@ -1,6 +1,8 @@
 """The contender registry: flatshard and its peers, each built one way for every scenario, and the ranks they
 run on. A contender is a name, a family (``flatshard``, ``fsdp1``, ``fsdp2``, ``ddp``, ``unsharded``, ``hf``) and
-the options that set it apart within its family; every GPT contender has one unit per ``Block``."""
+the options that set it apart within its family; every GPT contender has one unit per ``Block``. The
+``tensor_parallel`` option marks the contenders of the tensor-parallel Llama (:func:`wrap_tp`), one unit per its
+``Block``."""
 
 from __future__ import annotations
 
@@ -167,6 +169,20 @@ REGISTRY: dict[str, Contender] = {
             {"adamw": {"fused": True}},
         ),
         Contender("hf", "hf", "Hugging Face transformers: from_pretrained / save_pretrained"),
+        Contender(
+            "flatshard_tp",
+            "flatshard",
+            "the Llama plan on the tensor_parallel mesh, then flatshard.shard(model, device_mesh=mesh), one unit "
+            "per Block, FULL_SHARD, BACKWARD_PRE, over data_parallel",
+            {"tensor_parallel": True},
+        ),
+        Contender(
+            "fsdp2_tp",
+            "fsdp2",
+            "the Llama plan on the tensor_parallel mesh, then torch FSDP2 fully_shard on the data_parallel mesh per "
+            "Block and the root (what Lightning's ModelParallelStrategy asks of configure_model)",
+            {"tensor_parallel": True},
+        ),
     )
 }
 
@@ -241,6 +257,11 @@ def wrap(name: str, model: torch.nn.Module, cfg: dict[str, Any], device: torch.d
     """Shard or replicate ``model`` (built on every rank from the same seed) as the contender ``name``; a float8
     contender's model is converted first (:func:`convert_float8`)."""
     c = get(name)
+    if c.options.get("tensor_parallel"):
+        raise ValueError(
+            f"contender {name!r} trains the tensor-parallel Llama, not a GPT. HINT: python -m benchmarks "
+            "tensor_parallel"
+        )
     mixed = _mixed(cfg)
     if float8(name, cfg):
         convert_float8(model, c.family)
@@ -388,6 +409,65 @@ def load_full_state(
         opt.load_state_dict(osd)
     else:
         raise ValueError(f"contender {name!r} has no full state")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tensor parallel x data parallel (the Llama of tp_model.py on a 2-D mesh)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def wrap_tp(name: str, model: torch.nn.Module, mesh: Any, device: torch.device) -> torch.nn.Module:
+    """Apply the Llama plan on ``mesh["tensor_parallel"]``, then shard over ``mesh["data_parallel"]`` as the
+    contender ``name``: flatshard's ``shard(model, device_mesh=mesh)`` (the 2-D mesh: flatshard finds the
+    data-parallel dimension itself), or FSDP2's ``fully_shard`` per ``Block`` and the root on the data-parallel
+    mesh, as Lightning's ``ModelParallelStrategy`` expects ``configure_model`` to do."""
+    from .tp_model import Block as LlamaBlock
+    from .tp_model import llama_plan
+
+    c = get(name)
+    if not c.options.get("tensor_parallel"):
+        raise ValueError(f"contender {name!r} does not run tensor parallel. HINT: flatshard_tp or fsdp2_tp")
+    llama_plan(model, mesh["tensor_parallel"])  # type: ignore[arg-type]
+    if c.family == "flatshard":
+        import flatshard
+
+        flatshard.shard(
+            model,
+            device_mesh=mesh,
+            auto_wrap_policy={LlamaBlock},
+            sharding_strategy="FULL_SHARD",
+            backward_prefetch="BACKWARD_PRE",
+            limit_all_gathers=True,
+            device=device,
+        )
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    dp_mesh = mesh["data_parallel"]
+    for block in model.modules():
+        if isinstance(block, LlamaBlock):
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=True)
+    return model
+
+
+def save_sharded_tp(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, path: str) -> None:
+    """A sharded DCP directory of the model and the optimizer, each family's own way: flatshard's
+    ``save_checkpoint(state_dict_type="sharded")``; for FSDP2 what Lightning's ``ModelParallelStrategy`` does,
+    ``dcp.save`` of ``get_model_state_dict`` and ``get_optimizer_state_dict`` (sharded)."""
+    c = get(name)
+    if not c.options.get("tensor_parallel"):
+        raise ValueError(f"contender {name!r} has no tensor-parallel save. HINT: flatshard_tp or fsdp2_tp")
+    if c.family == "flatshard":
+        import flatshard
+
+        flatshard.save_checkpoint(path, model, opt, state_dict_type="sharded")
+    else:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
+        dcp.save(state, checkpoint_id=path)
 
 
 # ----------------------------------------------------------------------------------------------------------

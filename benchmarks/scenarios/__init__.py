@@ -18,7 +18,17 @@ from typing import Any
 from ..model import MODEL_FIELDS, PRESETS
 from ..schema import Row
 
-SCENARIOS = ("train", "memory", "checkpoint", "async_save", "generate", "pretrained", "estimate", "host_step")
+SCENARIOS = (
+    "train",
+    "memory",
+    "checkpoint",
+    "async_save",
+    "generate",
+    "pretrained",
+    "estimate",
+    "host_step",
+    "tensor_parallel",
+)
 
 
 def add_gpt_arguments(p: argparse.ArgumentParser, steps: int, warmup: int) -> None:

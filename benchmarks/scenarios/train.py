@@ -42,7 +42,11 @@ from ..schema import Row
 from . import add_gpt_arguments, check_against, failed, gpt_config, interleaved
 
 PRESETS = ("cpu-small", "cpu-large", "cuda-1b", "tiny")
-CONTENDERS = tuple(n for n, c in reg.REGISTRY.items() if c.family in ("flatshard", "fsdp1", "fsdp2", "ddp"))
+CONTENDERS = tuple(
+    n
+    for n, c in reg.REGISTRY.items()
+    if c.family in ("flatshard", "fsdp1", "fsdp2", "ddp") and not c.options.get("tensor_parallel")
+)
 DEFAULT_CONTENDERS = ("flatshard", "fsdp1", "fsdp2", "ddp", "flatshard_grad_op")
 RATIOS = (
     "step_s",

@@ -85,3 +85,47 @@ def test_train_cross_node_rows_on_two_nodes_of_two(tmp_path: Path) -> None:
     assert "cross_node_mib" not in ddp  # DDP is the loss reference; its reducer is not counted
     assert report.ratios["flatshard ÷ flatshard_hybrid_no_sync"]["cross_node_mib"] > 1
     assert "modelled step s" in report.table
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_tensor_parallel_scenario_runs_both_contenders_on_a_2x2_mesh(tmp_path: Path) -> None:
+    """4 ranks as 2 (data parallel) x 2 (tensor parallel), the tiny Llama, one step and a sharded save each:
+    flatshard's and FSDP2's rows agree in losses and saved weights, both count the same tensor-parallel bytes, each
+    counts its data-parallel bytes, and the ratio flatshard ÷ FSDP2 is computed."""
+    argv = ["tensor_parallel", "--preset", "tiny", "--steps", "1", "--warmup", "0"]
+    done = run_script([sys.executable, "-m", "benchmarks", *argv, "--out", str(tmp_path)], REPO, 400)
+    report = Report.from_json((tmp_path / "tensor_parallel_tiny.json").read_text())
+    assert [r.name for r in report.rows] == ["flatshard_tp", "fsdp2_tp"]
+    assert all(r.ok for r in report.rows), [(r.name, r.error, r.check) for r in report.rows]
+    ours, theirs = report.rows
+    assert theirs.check == {"ok": True, "against": "flatshard_tp", "saved": "ok"}
+    assert theirs.metrics["loss_diff"] <= 1e-4 and theirs.metrics["saved_weight_diff"] <= 1e-3
+    assert (
+        len(ours.runs[0]) == 4 and len(ours.runs[0][0]["losses"]) == 2
+    )  # 4 ranks; the step and the counted one
+    assert ours.metrics["tp_mib"] == theirs.metrics["tp_mib"] > 0  # the same plan moves the same bytes
+    assert ours.metrics["dp_mib"] > 0 and theirs.metrics["dp_mib"] > 0
+    assert ours.metrics["own_tp_mib"] == 0  # flatshard shards over data_parallel only
+    assert {"step_s", "peak_rss_mib", "save_s", "dp_mib", "tp_mib"} <= set(
+        report.ratios["flatshard_tp ÷ fsdp2_tp"]
+    )
+    assert report.table in done.stdout
+
+
+def test_tensor_parallel_mesh_option_names_the_variant_and_refuses_what_the_plan_cannot_split() -> None:
+    from benchmarks.__main__ import parse
+
+    _, _, cfg, names, variant = parse(["tensor_parallel", "--preset", "tiny", "--mesh", "1x4"])
+    assert names == ["flatshard_tp", "fsdp2_tp"] and cfg["mesh"] == [1, 4] and cfg["world_size"] == 4
+    assert variant == "mesh1x4" and parse(["tensor_parallel", "--preset", "tiny"])[4] == ""
+    with pytest.raises(SystemExit, match="--n-kv-head 4.*HINT: sizes divisible by 8"):
+        parse(["tensor_parallel", "--preset", "tiny", "--mesh", "1x8"])
+    with pytest.raises(SystemExit, match="give DPxTP"):
+        parse(["tensor_parallel", "--mesh", "2by2"])
+    with pytest.raises(SystemExit, match="HINT: tensor_parallel runs flatshard_tp, fsdp2_tp"):
+        parse(["tensor_parallel", "--contenders", "flatshard"])
+    with pytest.raises(SystemExit, match="unknown \\['flatshard_tp'\\]"):
+        parse(
+            ["train", "--contenders", "flatshard_tp"]
+        )  # the GPT scenarios do not offer the Llama's contenders
