@@ -327,7 +327,32 @@ def blocked(label: Label | None, since: float) -> None:
     if label is not None and (wait is None or wait.since != since or wait.label != label):
         wait = monitor.wait = _Wait(label, since, monitor.next_wait())
     if wait is not None and monitor.verdict is not None and monitor.verdict_wait == wait.ident:
+        _let_peers_learn()
         raise DesyncError(monitor.verdict)
+
+
+def _let_peers_learn() -> None:
+    """Before this rank raises a verdict and leaves, give the other ranks it names two heartbeats to adopt it: a
+    rank blocked in a collective flatshard cannot interrupt learns of the desync from the store alone, and the
+    store may go with this process (see [Note: finding a desync]). Bounded: a peer that never answers delays the
+    error by those two beats only."""
+    found = _stored_verdict()
+    if found is None:
+        return
+    me = str(dist.get_rank())
+    others = {r: w for r, w in found.get("waits", {}).items() if r != me}
+    deadline = time.monotonic() + 2 * _beat() + 0.5
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        while others and time.monotonic() < deadline:
+            for r, wait in list(others.items()):
+                entry = json.loads(store.get(f"{_PREFIX}{r}").decode())
+                if entry.get("adopted") == wait or entry.get("state") == "exited":
+                    del others[r]
+            if others:
+                time.sleep(0.05)
+    except Exception:  # the store or a peer is gone: nothing more to tell
+        return
 
 
 def unblocked() -> None:
@@ -558,10 +583,14 @@ def _heartbeat(monitor: Monitor) -> None:
             issued={state.name: list(state.issued) for _, state in states if state.issued},
         )
         del states  # no process group is held across beats: each goes when destroyed
+        mine["adopted"] = monitor.verdict_wait  # what a peer raising a verdict waits to see (_let_peers_learn)
         try:
             store.set(f"{_PREFIX}{rank}", json.dumps(mine))
             if store.check([_VERDICT_KEY]):
                 _adopt(monitor, json.loads(store.get(_VERDICT_KEY).decode()), rank, mine)
+                if mine["adopted"] != monitor.verdict_wait:  # tell it now, not a beat later
+                    mine["adopted"] = monitor.verdict_wait
+                    store.set(f"{_PREFIX}{rank}", json.dumps(mine))
             own = mine["limit"]
             if monitor.verdict_wait != mine.get("wait") and own is not None and mine["blocked_s"] >= own / 2:
                 _evaluate(monitor, store, rank, world, mine, peers)
