@@ -61,6 +61,7 @@ def _train(rank: int, world: int, tmp: str) -> dict[str, Any]:
     return {"loss": diff, "weights": weight_diff, "reload": reload_diff}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_fabric_tensor_parallel_matches_one_process(tmp_path: Any) -> None:
     for r in spawn(_train, 4, str(tmp_path)):

@@ -121,6 +121,7 @@ def _same_weights(path: Any, expected: dict[str, Any]) -> None:
         torch.testing.assert_close(state[key], value, atol=TOL, rtol=TOL, msg=key)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_trainer_tensor_parallel_matches_one_device_and_resumes_on_other_shapes(tmp_path: Any) -> None:
     first = spawn(_first_epoch, 4, str(tmp_path))[0]
