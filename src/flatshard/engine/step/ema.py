@@ -171,7 +171,7 @@ class EMA:
             if isinstance(value, ParamShard):
                 piece = value.local
             elif shard is not None:
-                piece = value.reshape(-1)[shard.offset : shard.offset + shard.local.numel()]
+                piece = shard.cut(value)  # a tensor-parallel piece within its block too
             else:
                 piece = value
             if piece.numel() != self.shadow[i].numel():
