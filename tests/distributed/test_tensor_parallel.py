@@ -222,3 +222,40 @@ def test_checkpoints_resume_on_other_mesh_shapes(tmp_path: Any, kind: str) -> No
     for i, entries in saved["optim"]["state"].items():
         for k, v in entries.items():
             torch.testing.assert_close(plain["optimizer_states"][0]["state"][i][k], v, atol=0, rtol=0)
+
+
+def _pretrained(rank: int, world: int, source: str, out: str) -> dict[str, Any]:
+    """A meta-built Hugging Face Llama, parallelized on 2 x 2, sharded, filled by ``load_pretrained`` (each rank
+    reading only its pieces) and written back by ``save_pretrained``; rank 0 returns its full state."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    torch.set_num_threads(1)
+    mesh = mesh_2d((2, 2))
+    with torch.device("meta"):
+        model = tiny_hf_llama()
+    hf_llama_plan(model, mesh["tensor_parallel"])
+    flatshard.shard(model, device_mesh=mesh, auto_wrap_policy={LlamaDecoderLayer})
+    flatshard.load_pretrained(model, source)
+    flatshard.save_pretrained(model, out)
+    state, _ = flatshard.get_state_dict(model)
+    return state
+
+
+@pytest.mark.slow
+def test_pretrained_weights_load_into_and_save_from_a_tensor_parallel_model(tmp_path: Any) -> None:
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    original = tiny_hf_llama()
+    original.save_pretrained(tmp_path / "source")
+    expected = original.state_dict()
+    state = spawn(_pretrained, 4, str(tmp_path / "source"), str(tmp_path / "out"))[0]
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key], value, atol=0, rtol=0, msg=key)
+    written: dict[str, torch.Tensor] = {}
+    for f in sorted((tmp_path / "out").glob("*.safetensors")):
+        written.update(load_file(f))
+    for key, value in written.items():
+        torch.testing.assert_close(value, expected[key], atol=0, rtol=0, msg=key)
+    assert set(written) == {k for k in expected if "rotary" not in k}

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -286,7 +287,7 @@ def _full_shape(value: torch.Tensor) -> torch.Size:
     handle = handle_of_param(value)
     if handle is None:
         return value.shape
-    return handle.layout.shapes[handle.index_of(value)]
+    return handle.full_shape(handle.index_of(value))
 
 
 def _short(names: list[str], limit: int = 6) -> str:
@@ -334,9 +335,10 @@ class _Piece:
     dest: torch.Tensor  # 1-D, where the elements go (any dtype and device)
 
 
-def _destination(t: _Target) -> tuple[int, torch.Tensor] | None:
-    """Where this rank keeps ``t``'s elements: the first element of the flattened tensor and a 1-D tensor (any
-    dtype and device) for the range it keeps; ``None`` where it keeps none."""
+def _destinations(t: _Target) -> list[tuple[int, torch.Tensor]]:
+    """Where this rank keeps ``t``'s elements: per range of the flattened tensor it keeps, its first element and
+    a 1-D tensor (any dtype and device); none where it keeps nothing. A tensor-parallel piece is a range of its
+    block, which lies in the whole tensor as one range per row (see [Note: tensor parallelism])."""
     handle = handle_of_param(t.value)
     if handle is None:
         dest = t.value.detach()
@@ -344,13 +346,46 @@ def _destination(t: _Target) -> tuple[int, torch.Tensor] | None:
             raise CheckpointError(
                 f"{t.names[0]!r} is not contiguous; load_pretrained writes contiguous tensors."
             )
-        return 0, dest.reshape(-1)
-    info = handle.shard_infos[handle.index_of(t.value)]
+        return [(0, dest.reshape(-1))]
+    i = handle.index_of(t.value)
+    info = handle.shard_infos[i]
     if not info.numel_in_shard:
-        return None
-    return info.offset_in_param, handle.sharded[
-        info.offset_in_shard : info.offset_in_shard + info.numel_in_shard
+        return []
+    dest = handle.sharded[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
+    layout = handle.tensor_parallel[i] if handle.tensor_parallel is not None else None
+    if layout is None:
+        return [(info.offset_in_param, dest)]
+    return [
+        (first, dest[at : at + n])
+        for first, at, n in _runs(layout.shape, layout.block(), info.offset_in_param, dest.numel())
     ]
+
+
+def _runs(
+    shape: Sequence[int], block: tuple[tuple[int, ...], tuple[int, ...]], start: int, n: int
+) -> list[tuple[int, int, int]]:
+    """The range ``[start, start + n)`` of a block's flattening as ranges of the whole tensor's flattening:
+    ``(first element in the whole tensor, offset in the range, length)``, adjacent ones merged."""
+    at, sizes = block
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * int(shape[d + 1])
+    runs: list[list[int]] = []
+    pos, end = start, start + n
+    while pos < end:
+        index, rest = [], pos
+        for size in reversed(sizes):
+            rest, i = divmod(rest, int(size))
+            index.append(i)
+        index.reverse()
+        length = min(int(sizes[-1]) - index[-1], end - pos)
+        first = sum((a + i) * s for a, i, s in zip(at, index, strides, strict=True))
+        if runs and runs[-1][0] + runs[-1][2] == first:
+            runs[-1][2] += length
+        else:
+            runs.append([first, pos - start, length])
+        pos += length
+    return [(first, offset, length) for first, offset, length in runs]
 
 
 def _pieces(targets: list[_Target]) -> list[_Piece]:
@@ -358,9 +393,7 @@ def _pieces(targets: list[_Target]) -> list[_Piece]:
     for t in targets:
         if t.source is None:
             continue
-        where = _destination(t)
-        if where is not None:
-            out.append(_Piece(t.source, *where))
+        out += [_Piece(t.source, first, dest) for first, dest in _destinations(t)]
     return out
 
 
@@ -372,9 +405,8 @@ def _read_converted(src: PretrainedSource, targets: list[_Target]) -> None:
         if t.converted is None:
             continue
         group, name = t.converted
-        where = _destination(t)
-        if where is not None:
-            wanted.setdefault(id(group), (group, []))[1].append((name, *where))
+        for first, dest in _destinations(t):
+            wanted.setdefault(id(group), (group, []))[1].append((name, first, dest))
 
     def whole(tensor: SourceTensor) -> torch.Tensor:
         out = torch.empty(tensor.numel, dtype=tensor.dtype)

@@ -48,10 +48,10 @@ def full_entries(module: nn.Module) -> list[FullEntry]:
     wanted = {id(v) for v in state.values()}
     for unit in unit_states(module):
         for handle in unit.handles:
-            for p, shape in zip(handle.params, handle.layout.shapes, strict=True):
+            for i, p in enumerate(handle.params):
                 if id(p) in wanted:  # a parameter no key names is delivered too, and holds no entry
                     positions[id(p)] = len(positions)
-                    shapes[id(p)] = (torch.Size(shape), handle.dtype)
+                    shapes[id(p)] = (torch.Size(handle.full_shape(i)), handle.dtype)
     restore = original_buffer_dtypes(module)
     params = {id(p) for p in module.parameters()}
     first: dict[int, str] = {}
