@@ -259,3 +259,24 @@ def test_pretrained_weights_load_into_and_save_from_a_tensor_parallel_model(tmp_
     for key, value in written.items():
         torch.testing.assert_close(value, expected[key], atol=0, rtol=0, msg=key)
     assert set(written) == {k for k in expected if "rotary" not in k}
+
+
+def _generate(rank: int, world: int) -> tuple[list[list[int]], list[list[int]]]:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    torch.set_num_threads(1)
+    mesh = mesh_2d((2, 2))
+    torch.manual_seed(0)
+    model = tiny_hf_llama()
+    reference = copy.deepcopy(model)
+    hf_llama_plan(model, mesh["tensor_parallel"])
+    flatshard.shard(model, device_mesh=mesh, auto_wrap_policy={LlamaDecoderLayer})
+    flatshard.register_forward_method(model, "generate")
+    prompt = _tokens(0)[:2, :5]
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    return model.generate(prompt, **kwargs).tolist(), reference.generate(prompt, **kwargs).tolist()
+
+
+def test_generate_on_a_tensor_parallel_model_matches_the_unsharded_model() -> None:
+    for mine, reference in spawn(_generate, 4):
+        assert mine == reference
