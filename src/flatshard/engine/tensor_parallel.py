@@ -3,7 +3,7 @@
 [Note: tensor parallelism]
 torch's ``parallelize_module`` (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``) turns a module's
 parameters into DTensors on a 1-D "tensor_parallel" mesh and adds hooks that redistribute its inputs and outputs.
-flatshard takes such a model as it is and shards it over the *other* dimensions of the device mesh:
+flatshard takes such a model as it is and shards it over the mesh's other, data-parallel, dimension:
 
 - at ``shard()`` each DTensor parameter becomes a plain ``nn.Parameter`` of its local tensor (a new object: a
   DTensor cannot be swapped in place, so an optimizer is built after ``shard()``, as under FSDP2), and its
@@ -20,8 +20,12 @@ flatshard takes such a model as it is and shards it over the *other* dimensions 
   elementwise optimizers step unchanged. An optimizer that needs each parameter whole (Muon, Shampoo) would see
   a tensor-parallel piece and is refused.
 - full state dicts gather each tensor over the data-parallel group, then over the tensor-parallel group
-  (``full_tensor``): plain tensors of the original shapes. Sharded state dicts hold each piece at its global
-  offsets, the layout DCP reads on any mesh.
+  (``full_tensor``): plain tensors of the original shapes. In sharded state dicts a piece is a flat range of its
+  tensor-parallel block (``ParamShard.block``), stored at its global offsets: the layout DCP reads on any mesh.
+  ``load_pretrained`` reads such a piece as one byte range per row of the block.
+- not supported, each refused with a hint: hybrid sharding, ``compile`` (torch's compiled backward of a
+  tensor-parallel block fails on CPU without flatshard too), whole-tensor optimizers, ``unshard_params``, float8
+  all-gathers.
 """
 
 from __future__ import annotations
