@@ -284,6 +284,13 @@ class _Store:
     def set(self, key: str, value: str) -> None:
         self.data[key] = value.encode()
 
+    def compare_set(self, key: str, expected: bytes | str, desired: str) -> bytes:
+        """As torch's stores: set ``desired`` if the value is ``expected`` (absent: ``""``); the value after."""
+        current = self.data.get(key, b"")
+        if current == (expected.encode() if isinstance(expected, str) else expected):
+            self.data[key] = desired.encode()
+        return self.data[key]
+
 
 def _state(kind: str, **fields: Any) -> dict[str, Any]:
     base = {"beat": 1, "interval": 0.1, "limit": 2.0, "host": "h", "pid": 1, "blocked_s": 5.0, "c10d": {}}
@@ -326,6 +333,27 @@ def _verdict(states: list[dict[str, Any]]) -> str | None:
 
 AG5 = [5, "all_gather", 8, "float32"]
 AG4 = [4, "all_gather", 8, "float32"]
+
+
+class _PeerDecidesToo(_Store):
+    """A peer stores its verdict while this rank reads the states, between its look at the verdict key and its
+    own write."""
+
+    def get(self, key: str) -> bytes:
+        if key.endswith("/1") and "flatshard/desync/verdict" not in self.data:
+            peer = {"waits": {"0": "w0", "1": "w1"}, "report": "flatshard: the peer's report"}
+            self.data["flatshard/desync/verdict"] = json.dumps(peer).encode()
+        return super().get(key)
+
+
+def test_ranks_deciding_at_once_adopt_the_first_verdict_stored() -> None:
+    """Two ranks may find the desync in the same beat; the first verdict stored is the one every rank raises."""
+    states = [_flat(5, [AG4, AG5]), _torch("all_reduce", 3, [AG4])]
+    states[0]["wait"], states[1]["wait"] = "w0", "w1"
+    store, monitor = _PeerDecidesToo(states), watchdog.Monitor()
+    watchdog._evaluate(monitor, store, 0, 2, states[0], {})
+    assert json.loads(store.data["flatshard/desync/verdict"])["report"] == "flatshard: the peer's report"
+    assert monitor.verdict == "flatshard: the peer's report" and monitor.verdict_wait == "w0"
 
 
 @pytest.mark.parametrize(

@@ -332,10 +332,8 @@ def blocked(label: Label | None, since: float) -> None:
 
 
 def _let_peers_learn() -> None:
-    """Before this rank raises a verdict and leaves, give the other ranks it names two heartbeats to adopt it: a
-    rank blocked in a collective flatshard cannot interrupt learns of the desync from the store alone, and the
-    store may go with this process (see [Note: finding a desync]). Bounded: a peer that never answers delays the
-    error by those two beats only."""
+    """Give the other ranks a verdict names two heartbeats to adopt it before this rank raises it and leaves: a
+    rank in a collective flatshard cannot interrupt reads it from the store alone, which may go with this process."""
     found = _stored_verdict()
     if found is None:
         return
@@ -583,7 +581,9 @@ def _heartbeat(monitor: Monitor) -> None:
             issued={state.name: list(state.issued) for _, state in states if state.issued},
         )
         del states  # no process group is held across beats: each goes when destroyed
-        mine["adopted"] = monitor.verdict_wait  # what a peer raising a verdict waits to see (_let_peers_learn)
+        mine["adopted"] = (
+            monitor.verdict_wait
+        )  # what a peer raising a verdict waits to see (_let_peers_learn)
         try:
             store.set(f"{_PREFIX}{rank}", json.dumps(mine))
             if store.check([_VERDICT_KEY]):
@@ -702,6 +702,7 @@ def _evaluate(
     keys = [f"{_PREFIX}{r}" for r in range(world)]
     if not store.check(keys):
         return  # a rank has not published: too early to tell, or detection is off there
+    before = store.get(_VERDICT_KEY) if store.check([_VERDICT_KEY]) else b""
     values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
     states = [json.loads(v) for v in values]
     states[rank] = mine
@@ -730,8 +731,9 @@ def _evaluate(
         return  # a collective is in flight: slow, not stuck
     report = _report(states, exited)
     waits = {str(r): s.get("wait") for r, s in enumerate(states) if r not in exited}
-    store.set(_VERDICT_KEY, json.dumps({"waits": waits, "report": report}))
-    _adopt(monitor, {"waits": waits, "report": report}, rank, mine)
+    # the first verdict stored wins: a peer that decided at the same moment adopts that one too
+    stored = store.compare_set(_VERDICT_KEY, before, json.dumps({"waits": waits, "report": report}))
+    _adopt(monitor, json.loads(bytes(stored).decode()), rank, mine)
 
 
 def _gone(proc: Any) -> bool:
