@@ -64,7 +64,12 @@ def test_uneven_training_batches_raise_naming_positions(epoch_metric: bool) -> N
         report = desync[0]
         assert "rank 1 waits in the barrier before a logged value's reduction" in report, report
         assert "rank 0 " in report and "HINT" in report, report
-        assert all(r["verdict"] == report.removeprefix("DesyncError: ") for r in results), results
+        # every rank knows the desync and both positions (under load a rank may hold a report made a beat
+        # later, whose waiting times differ)
+        for r in results:
+            verdict = r["verdict"] or ""
+            assert "rank 1 waits in the barrier before a logged value's reduction" in verdict, results
+            assert "rank 0 " in verdict and "HINT" in verdict, results
     else:  # rank 1 finished its two batches and its process exited while rank 0 gathers for step 3
         assert "unit '<root>', forward, step 3" in errors[0], errors[0]
         assert "rank 1" in errors[0] and "exited while this rank waited for it" in errors[0], errors[0]
