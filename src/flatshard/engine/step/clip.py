@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from flatshard.engine.handle import FlatParamHandle, handle_of_param
+from flatshard.engine.handle import FlatParamHandle, locate_params
 
 __all__ = ["clip_grad_norm_", "clip_grad_norm_params_"]
 
@@ -66,8 +66,7 @@ def clip_grad_norm_params_(
     params = [p for p in parameters if p.grad is not None]
     sharded: dict[tuple[int, int], tuple[FlatParamHandle, Any, list[torch.Tensor], list[float]]] = {}
     local: list[torch.Tensor] = []
-    for p in params:
-        handle = handle_of_param(p)
+    for p, (handle, index) in zip(params, locate_params(params), strict=True):
         assert p.grad is not None
         layouts = handle.tensor_parallel if handle is not None else None
         if handle is not None and (handle.shard_world > 1 or layouts is not None):
@@ -76,7 +75,7 @@ def clip_grad_norm_params_(
             entry = sharded.setdefault(key, (handle, tp, [], []))
             entry[2].append(p.grad)
             if tp is not None:  # a parameter all tensor-parallel ranks hold counts once
-                own = layouts[handle.index_of(p)]  # type: ignore[index]
+                own = layouts[index]  # type: ignore[index]
                 entry[3].append(1.0 / (own.replicas if own is not None else tp.mesh.size()))
             else:
                 entry[3].append(1.0)
